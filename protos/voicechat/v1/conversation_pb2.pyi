@@ -1,0 +1,156 @@
+from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_REQUEST: _ClassVar[ErrorCode]
+    ERROR_CODE_SESSION_INITIALIZATION_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_INFERENCE_ERROR: _ClassVar[ErrorCode]
+    ERROR_CODE_LIMIT_EXCEEDED: _ClassVar[ErrorCode]
+    ERROR_CODE_SERVER_BUSY: _ClassVar[ErrorCode]
+    ERROR_CODE_SERVICE_UNAVAILABLE: _ClassVar[ErrorCode]
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_INVALID_REQUEST: ErrorCode
+ERROR_CODE_SESSION_INITIALIZATION_FAILED: ErrorCode
+ERROR_CODE_INFERENCE_ERROR: ErrorCode
+ERROR_CODE_LIMIT_EXCEEDED: ErrorCode
+ERROR_CODE_SERVER_BUSY: ErrorCode
+ERROR_CODE_SERVICE_UNAVAILABLE: ErrorCode
+
+class ConverseRequest(_message.Message):
+    __slots__ = ("configure", "audio", "flush", "cancel")
+    CONFIGURE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    configure: Configure
+    audio: AudioIn
+    flush: Flush
+    cancel: Cancel
+    def __init__(self, configure: _Optional[_Union[Configure, _Mapping]] = ..., audio: _Optional[_Union[AudioIn, _Mapping]] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class Configure(_message.Message):
+    __slots__ = ("system_prompt", "seed", "max_streaming_seconds", "sample_rate_hz")
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    system_prompt: str
+    seed: int
+    max_streaming_seconds: float
+    sample_rate_hz: int
+    def __init__(self, system_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., max_streaming_seconds: _Optional[float] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
+
+class AudioIn(_message.Message):
+    __slots__ = ("pcm16", "float32", "sample_rate_hz")
+    PCM16_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    pcm16: bytes
+    float32: _tensor_pb2.Tensor
+    sample_rate_hz: int
+    def __init__(self, pcm16: _Optional[bytes] = ..., float32: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
+
+class Flush(_message.Message):
+    __slots__ = ("pad_partial",)
+    PAD_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    pad_partial: bool
+    def __init__(self, pad_partial: _Optional[bool] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConverseResponse(_message.Message):
+    __slots__ = ("ready", "transcript", "text", "function", "audio", "done", "cancelled", "error")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ready: SessionReady
+    transcript: TranscriptDelta
+    text: TextDelta
+    function: TextDelta
+    audio: AudioOut
+    done: Done
+    cancelled: Cancelled
+    error: Error
+    def __init__(self, ready: _Optional[_Union[SessionReady, _Mapping]] = ..., transcript: _Optional[_Union[TranscriptDelta, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., function: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioOut, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., cancelled: _Optional[_Union[Cancelled, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class SessionReady(_message.Message):
+    __slots__ = ("session_id", "frame_samples", "output_sample_rate_hz", "input_sample_rate_hz")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAME_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    frame_samples: int
+    output_sample_rate_hz: int
+    input_sample_rate_hz: int
+    def __init__(self, session_id: _Optional[str] = ..., frame_samples: _Optional[int] = ..., output_sample_rate_hz: _Optional[int] = ..., input_sample_rate_hz: _Optional[int] = ...) -> None: ...
+
+class TranscriptDelta(_message.Message):
+    __slots__ = ("frame_index", "delta", "transcript")
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    delta: str
+    transcript: str
+    def __init__(self, frame_index: _Optional[int] = ..., delta: _Optional[str] = ..., transcript: _Optional[str] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("frame_index", "token_id", "delta", "text")
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    token_id: int
+    delta: str
+    text: str
+    def __init__(self, frame_index: _Optional[int] = ..., token_id: _Optional[int] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class AudioOut(_message.Message):
+    __slots__ = ("frame_index", "samples", "audio_codes", "sample_rate_hz")
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_CODES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    samples: _tensor_pb2.Tensor
+    audio_codes: _containers.RepeatedScalarFieldContainer[int]
+    sample_rate_hz: int
+    def __init__(self, frame_index: _Optional[int] = ..., samples: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., audio_codes: _Optional[_Iterable[int]] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("frame_index",)
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    def __init__(self, frame_index: _Optional[int] = ...) -> None: ...
+
+class Cancelled(_message.Message):
+    __slots__ = ("frame_index",)
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    def __init__(self, frame_index: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: ErrorCode
+    message: str
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,57 @@
+from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeechOpen(_message.Message):
+    __slots__ = ("seed", "prompt_codes", "prefix_steps")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CODES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    prompt_codes: _tensor_pb2.Tensor
+    prefix_steps: int
+    def __init__(self, seed: _Optional[int] = ..., prompt_codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefix_steps: _Optional[int] = ...) -> None: ...
+
+class SpeechStep(_message.Message):
+    __slots__ = ("frame_index", "text_token_id")
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    text_token_id: int
+    def __init__(self, frame_index: _Optional[int] = ..., text_token_id: _Optional[int] = ...) -> None: ...
+
+class SpeechStreamRequest(_message.Message):
+    __slots__ = ("open", "step")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    open: SpeechOpen
+    step: SpeechStep
+    def __init__(self, open: _Optional[_Union[SpeechOpen, _Mapping]] = ..., step: _Optional[_Union[SpeechStep, _Mapping]] = ...) -> None: ...
+
+class SpeechOpened(_message.Message):
+    __slots__ = ("prompt_frames",)
+    PROMPT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    prompt_frames: int
+    def __init__(self, prompt_frames: _Optional[int] = ...) -> None: ...
+
+class SpeechStepResult(_message.Message):
+    __slots__ = ("frame_index", "codes", "clean_codes")
+    FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_CODES_FIELD_NUMBER: _ClassVar[int]
+    frame_index: int
+    codes: _tensor_pb2.Tensor
+    clean_codes: _tensor_pb2.Tensor
+    def __init__(self, frame_index: _Optional[int] = ..., codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., clean_codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SpeechStreamResponse(_message.Message):
+    __slots__ = ("opened", "step")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    opened: SpeechOpened
+    step: SpeechStepResult
+    def __init__(self, opened: _Optional[_Union[SpeechOpened, _Mapping]] = ..., step: _Optional[_Union[SpeechStepResult, _Mapping]] = ...) -> None: ...

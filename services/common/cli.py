@@ -1,0 +1,141 @@
+"""The command line shared by the services' `__main__`:
+
+    python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--log-level L]
+
+--model defaults to $VOICECHAT_MODEL. Once the model has loaded and health says SERVING, the process prints
+`listening on HOST:PORT` (flushed) to stdout, so a parent that started it with --port 0 can parse the port.
+
+A service's __main__.py is then:
+
+    def build(args: argparse.Namespace) -> ServiceSpec: ...
+    if __name__ == "__main__":
+        raise SystemExit(run_service(build, prog="services.codec", description="..."))
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.server import DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
+
+MODEL_ENV = "VOICECHAT_MODEL"
+READY_PREFIX = "listening on "  # what parse_ready_line looks for
+
+
+@dataclass
+class ServiceSpec:
+    """What a service's build() hands the bootstrap: its servicers, their full names, and the model loader."""
+
+    registrations: list[Registration]
+    service_names: list[str]
+    load: Callable[[], Awaitable[None]] | None = None  # awaited while health says NOT_SERVING
+    close: Callable[[], None] | None = None  # after shutdown, e.g. EngineThread.close
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The common flags; a service may add its own before parsing."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=os.environ.get(MODEL_ENV) or None,
+        help=f"checkpoint directory (config.json, model*.safetensors, ...); default ${MODEL_ENV}",
+    )
+    parser.add_argument("--host", default="[::]", help="address to bind (default [::], all interfaces)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    parser.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=DEFAULT_MAX_MESSAGE_MB,
+        help=f"largest gRPC message sent or received, in MiB (default {DEFAULT_MAX_MESSAGE_MB})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default INFO); logs go to stderr",
+    )
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate the common flags (exits with a usage error naming the bad one)."""
+    args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error(f"--model DIR is required (or set ${MODEL_ENV})")
+    if not args.model.is_dir():
+        parser.error(f"--model {args.model}: no such directory")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be 0..65535")
+    if args.max_message_mb <= 0:
+        parser.error(f"--max-message-mb {args.max_message_mb}: must be positive")
+    return args
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def announce(running: RunningServer) -> None:
+    """Print the ready line a parent process parses: `listening on HOST:PORT`."""
+    print(f"{READY_PREFIX}{running.address}", flush=True)
+
+
+def parse_ready_line(line: str) -> tuple[str, int] | None:
+    """`"listening on [::]:50051"` -> ("[::]", 50051); None for any other line."""
+    line = line.strip()
+    if not line.startswith(READY_PREFIX):
+        return None
+    host, _, port = line[len(READY_PREFIX) :].rpartition(":")
+    return (host, int(port)) if port.isdigit() else None
+
+
+def run_service(
+    build: Callable[[argparse.Namespace], ServiceSpec],
+    *,
+    prog: str,
+    description: str,
+    argv: Sequence[str] | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """Parse flags, build the service, serve until SIGTERM/SIGINT; returns the process exit code."""
+    parser = build_parser(prog, description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parse_args(parser, argv)
+    configure_logging(args.log_level)
+    spec: ServiceSpec | None = None
+    try:
+        spec = build(args)
+        asyncio.run(
+            serve(
+                spec.registrations,
+                spec.service_names,
+                host=args.host,
+                port=args.port,
+                max_message_mb=args.max_message_mb,
+                load=spec.load,
+                on_ready=announce,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # cannot bind, bad checkpoint: one clear line; the traceback only at DEBUG
+        logging.getLogger(prog).debug("startup failed", exc_info=True)
+        detail = str(exc) if isinstance(exc, OSError | ValueError) else f"{type(exc).__name__}: {exc}"
+        print(f"{prog}: error: {detail}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if spec is not None and spec.close is not None:
+            spec.close()
+    return 0

@@ -1,0 +1,75 @@
+"""One dedicated thread that owns all MLX work of a service.
+
+MLX evaluation is tied to the thread that issues it, so a service keeps its weights and every session's
+state on one thread and the asyncio handlers hand it work:
+
+    engine = EngineThread()
+    codes = await engine.run(session.step, token_id)   # from asyncio
+    engine.submit_sync(load_weights, path)               # from plain threads
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """A single worker thread; jobs run one at a time in submission order and exceptions propagate."""
+
+    def __init__(self, name: str = "engine") -> None:
+        self._ident: int | None = None
+        # max_workers=1: the executor never makes a second thread, and its one worker lives until shutdown.
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=self._on_start
+        )
+        self._closed = False
+        self.submit(lambda: None).result()  # start the thread now so `ident` is known
+
+    def _on_start(self) -> None:
+        self._ident = threading.get_ident()
+
+    @property
+    def ident(self) -> int:
+        """`threading.get_ident()` of the engine thread."""
+        assert self._ident is not None
+        return self._ident
+
+    def on_engine_thread(self) -> bool:
+        return threading.get_ident() == self._ident
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        """Queue fn(*args, **kwargs) on the engine thread; RuntimeError once closed."""
+        if self._closed:
+            raise RuntimeError("engine thread is closed")
+        return self._executor.submit(fn, *args, **kwargs)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn on the engine thread and await its result. Cancelling the awaiting task does not stop a
+        job already running; a job still queued is dropped."""
+        if self.on_engine_thread():  # an engine job running an event loop: do not queue behind itself
+            return fn(*args, **kwargs)
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    def submit_sync(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn on the engine thread and block for its result; runs inline when already on it."""
+        if self.on_engine_thread():
+            return fn(*args, **kwargs)
+        return self.submit(fn, *args, **kwargs).result()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting work, drop queued jobs, and (by default) wait for the running one to finish."""
+        self._closed = True
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+
+    def __enter__(self) -> EngineThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

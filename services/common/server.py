@@ -1,0 +1,307 @@
+"""The grpc.aio server bootstrap shared by the four network services (and the orchestrator's service).
+
+Every server gets the same furniture: `grpc.health.v1` (NOT_SERVING until the model has loaded, then SERVING
+for "" and every service name), reflection, explicit message-size limits, graceful shutdown on SIGTERM/SIGINT,
+and one interceptor that maps domain exceptions to status codes, so servicer methods carry no try/except:
+
+    ValueError -> INVALID_ARGUMENT, LimitExceeded -> RESOURCE_EXHAUSTED, ServiceUnavailable -> UNAVAILABLE,
+    NotImplementedError -> UNIMPLEMENTED, anything else -> INTERNAL (logged with its traceback).
+
+Until the server is marked serving, calls to the registered services are answered UNAVAILABLE.
+
+    await serve([(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
+                [full_service_name(codec_pb2, "CodecService")], port=0, load=load_weights,
+                on_ready=lambda running: print(f"listening on {running.address}"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import LimitExceeded, ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+AddFn = Callable[[Any, grpc.aio.Server], None]
+Registration = tuple[AddFn, object]  # (add_XServicer_to_server, servicer)
+
+DEFAULT_MAX_MESSAGE_MB = 64
+DEFAULT_GRACE_S = 5.0
+_MIB = 1024 * 1024
+# Infrastructure services answer while loading and bypass error mapping.
+_INFRA_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
+
+
+def full_service_name(pb2: ModuleType, service: str) -> str:
+    """`full_service_name(codec_pb2, "CodecService")` -> "voicechat.v1.CodecService"."""
+    return pb2.DESCRIPTOR.services_by_name[service].full_name
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a servicer exception becomes."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, LimitExceeded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, message
+    if isinstance(exc, ServiceUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, message
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, message
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, message
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted itself: its status stands
+        raise exc
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a servicer method")
+    else:
+        log.info("%s: %s", code.name, message)
+    await context.abort(code, message)
+
+
+class _Gate:
+    """Whether the registered services take calls yet (the model has loaded)."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def check(self) -> None:
+        if not self.open:
+            raise ServiceUnavailable("the service is still loading its model; retry when health says SERVING")
+
+
+def _wrap_unary_response(behavior: Callable, gate: _Gate) -> Callable:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            gate.check()
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return handler
+
+
+def _wrap_stream_response(behavior: Callable, gate: _Gate) -> Callable:
+    # An async generator function, so grpc.aio streams what it yields; it also serves servicers written
+    # with context.write (a coroutine that yields nothing) and plain generators.
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            gate.check()
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async with contextlib.aclosing(result) as responses:  # close it (and free its session) now
+                    async for response in responses:
+                        yield response
+            elif inspect.isawaitable(result):
+                await result
+            elif result is not None:
+                for response in result:
+                    yield response
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return handler
+
+
+def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate) -> grpc.RpcMethodHandler:
+    codecs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_wrap_unary_response(handler.unary_unary, gate), **codecs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            _wrap_unary_response(handler.stream_unary, gate), **codecs
+        )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            _wrap_stream_response(handler.unary_stream, gate), **codecs
+        )
+    return grpc.stream_stream_rpc_method_handler(_wrap_stream_response(handler.stream_stream, gate), **codecs)
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAVAILABLE until the gate opens and maps servicer exceptions to status codes (status_for)."""
+
+    def __init__(self, gate: _Gate) -> None:
+        self._gate = gate
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method  # "/package.Service/Method"
+        if method in self._wrapped:
+            return self._wrapped[method]
+        handler = await continuation(handler_call_details)
+        if handler is None or method.lstrip("/").split("/")[0] in _INFRA_SERVICES:
+            return handler
+        self._wrapped[method] = _wrap(handler, self._gate)
+        return self._wrapped[method]
+
+
+class RunningServer:
+    """A started server: its bound port, its health servicer, and the switch between loading and serving."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        host: str,
+        port: int,
+        health_servicer: health.aio.HealthServicer,
+        service_names: Sequence[str],
+        gate: _Gate,
+    ) -> None:
+        self.server = server
+        self.host = host
+        self.port = port
+        self.health = health_servicer
+        self.service_names = list(service_names)
+        self._gate = gate
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT as bound, e.g. "[::]:43121"."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def serving(self) -> bool:
+        return self._gate.open
+
+    async def set_serving(self, serving: bool) -> None:
+        """Open (or close) the services and report SERVING (NOT_SERVING) for "" and every service name."""
+        self._gate.open = serving
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def become_ready(self, load: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Await load() (the model's weights; its exceptions propagate), then start serving."""
+        if load is not None:
+            await load()
+        await self.set_serving(True)
+
+    async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Report NOT_SERVING, refuse new calls, and give calls in flight grace_s seconds to finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def start_server(
+    registrations: Sequence[Registration],
+    service_names: Sequence[str],
+    *,
+    host: str = "[::]",
+    port: int = 0,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+) -> RunningServer:
+    """Bind and start a server whose services answer UNAVAILABLE (health NOT_SERVING) until set_serving(True).
+
+    port 0 binds an ephemeral port, reported as `RunningServer.port`.
+    """
+    if max_message_mb <= 0:
+        raise ValueError(f"max_message_mb must be positive, got {max_message_mb}")
+    limit = int(max_message_mb * _MIB)
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    gate = _Gate()
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate)], options=options)
+    for add, servicer in registrations:
+        add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, *_INFRA_SERVICES], server)
+
+    host = _bracket(host)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc} (is the port in use?)") from exc
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} (is the port in use?)")
+    running = RunningServer(server, host, bound, health_servicer, service_names, gate)
+    await running.set_serving(False)
+    await server.start()
+    return running
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT set `stop`; returns the undo. A no-op off the main thread or where unsupported."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+    def undo() -> None:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+    return undo
+
+
+async def serve(
+    registrations: Sequence[Registration],
+    service_names: Sequence[str],
+    *,
+    host: str = "[::]",
+    port: int = 0,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    load: Callable[[], Awaitable[None]] | None = None,
+    on_ready: Callable[[RunningServer], None] | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run a server until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
+
+    The server listens at once with health NOT_SERVING, awaits load(), turns SERVING and calls on_ready.
+    A load() failure stops the server and propagates.
+    """
+    stop = stop or asyncio.Event()
+    running = await start_server(
+        registrations, service_names, host=host, port=port, max_message_mb=max_message_mb
+    )
+    undo_signals = _install_signal_handlers(stop)
+    ready = asyncio.ensure_future(running.become_ready(load))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            ready.result()
+            log.info("serving %s on %s", ", ".join(service_names), running.address)
+            if on_ready is not None:
+                on_ready(running)
+            await stopped
+    finally:
+        for task in (ready, stopped):
+            task.cancel()
+        undo_signals()
+        log.info("shutting down (grace %.1f s)", grace_s)
+        await running.stop(grace_s)

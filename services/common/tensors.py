@@ -1,0 +1,166 @@
+"""Arrays <-> `voicechat.v1.Tensor`: shape, dtype and raw little-endian bytes, bit for bit.
+
+The wire never changes a number: an array crosses in exactly the dtype its producer made, NaN payloads and
+-0.0 included. bfloat16 travels as its 16-bit patterns (numpy has no bfloat16, so the numpy side uses uint16
+views of the same bits).
+
+    >>> t = to_proto_np(np.array([1.5, -0.0], np.float32))
+    >>> (list(t.shape), t.dtype == tensor_pb2.DTYPE_FLOAT32, len(t.data))
+    ([2], True, 8)
+
+MLX is imported lazily so numpy-only callers (the orchestrator) need not load it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protos.voicechat.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+Tensor = tensor_pb2.Tensor
+
+# Wire dtype -> numpy storage dtype (little-endian). bfloat16 is stored as its uint16 bit patterns.
+_STORAGE: dict[int, np.dtype] = {
+    tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
+    tensor_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),
+    tensor_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
+    tensor_pb2.DTYPE_INT32: np.dtype("<i4"),
+    tensor_pb2.DTYPE_BOOL: np.dtype("?"),
+    tensor_pb2.DTYPE_INT64: np.dtype("<i8"),
+    tensor_pb2.DTYPE_UINT32: np.dtype("<u4"),
+}
+
+# numpy dtype kind+size -> wire dtype, for arrays that are not bfloat16.
+_FROM_NUMPY: dict[tuple[str, int], int] = {
+    ("f", 4): tensor_pb2.DTYPE_FLOAT32,
+    ("f", 2): tensor_pb2.DTYPE_FLOAT16,
+    ("i", 4): tensor_pb2.DTYPE_INT32,
+    ("b", 1): tensor_pb2.DTYPE_BOOL,
+    ("i", 8): tensor_pb2.DTYPE_INT64,
+    ("u", 4): tensor_pb2.DTYPE_UINT32,
+}
+
+
+def dtype_name(dtype: int) -> str:
+    """`tensor_pb2.DTYPE_INT32` -> "DTYPE_INT32"; unknown numbers are shown as numbers."""
+    try:
+        return tensor_pb2.DType.Name(dtype)
+    except ValueError:
+        return f"DType({dtype})"
+
+
+def itemsize(dtype: int) -> int:
+    """Bytes per element of a wire dtype; ValueError for DTYPE_UNSPECIFIED or an unknown value."""
+    return _storage(dtype).itemsize
+
+
+def _storage(dtype: int) -> np.dtype:
+    if dtype not in _STORAGE:
+        raise ValueError(f"unsupported tensor dtype {dtype_name(dtype)}; expected one of {_supported()}")
+    return _STORAGE[dtype]
+
+
+def _supported() -> str:
+    return ", ".join(dtype_name(d) for d in _STORAGE)
+
+
+def _wire_dtype(array: np.ndarray) -> int:
+    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, should a caller have it
+        return tensor_pb2.DTYPE_BFLOAT16
+    wire = _FROM_NUMPY.get((array.dtype.kind, array.dtype.itemsize))
+    if wire is None:
+        raise ValueError(f"cannot put a {array.dtype} array on the wire; supported: {_supported()}")
+    return wire
+
+
+def to_proto_np(array: np.ndarray, dtype: int | None = None) -> Tensor:
+    """A numpy array as a Tensor, in its own dtype.
+
+    `dtype=DTYPE_BFLOAT16` sends a uint16 array as bfloat16 bit patterns, or a float32 array whose values are
+    exactly bfloat16 (ValueError otherwise: the wire never rounds).
+    """
+    array = np.asarray(array)
+    if dtype is None:
+        dtype = _wire_dtype(array)
+    if dtype == tensor_pb2.DTYPE_BFLOAT16:
+        array = _bf16_bits(array)
+    elif dtype != _wire_dtype(array):
+        raise ValueError(f"a {array.dtype} array cannot be sent as {dtype_name(dtype)}")
+    data = np.ascontiguousarray(
+        array, dtype=_storage(dtype)
+    )  # same kind and size: only byte order may change
+    return Tensor(shape=list(array.shape), dtype=dtype, data=data.tobytes())
+
+
+def _bf16_bits(array: np.ndarray) -> np.ndarray:
+    kind, size = array.dtype.kind, array.dtype.itemsize
+    if array.dtype.name == "bfloat16":
+        return np.ascontiguousarray(array).view(np.uint16)
+    if (kind, size) == ("u", 2):
+        return array.astype("=u2", copy=False)
+    if (kind, size) == ("f", 4):
+        bits = np.ascontiguousarray(array, dtype="=f4").view(np.uint32)
+        if np.any(bits & 0xFFFF):
+            raise ValueError("float32 values are not exactly bfloat16; cast them before sending")
+        return (bits >> 16).astype(np.uint16)
+    raise ValueError(f"a {array.dtype} array cannot be sent as DTYPE_BFLOAT16 (use uint16 bits or float32)")
+
+
+def from_proto_np(tensor: Tensor, *, bfloat16: str = "float32") -> np.ndarray:
+    """A Tensor as a new numpy array in native byte order.
+
+    bfloat16 has no numpy dtype: `bfloat16="float32"` widens it exactly to float32, `"bits"` returns the
+    uint16 bit patterns.
+    """
+    bits = _payload(tensor)
+    if tensor.dtype != tensor_pb2.DTYPE_BFLOAT16:
+        return bits
+    if bfloat16 == "bits":
+        return bits
+    if bfloat16 == "float32":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(f"bfloat16 must be 'float32' or 'bits', got {bfloat16!r}")
+
+
+def _payload(tensor: Tensor) -> np.ndarray:
+    """Validated payload as a writable native-order array of the storage dtype."""
+    storage = _storage(tensor.dtype)
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
+    expected = math.prod(shape) * storage.itemsize
+    actual = len(tensor.data)
+    if actual != expected:
+        raise ValueError(
+            f"tensor payload is {actual} bytes but shape {list(shape)} of {dtype_name(tensor.dtype)} "
+            f"needs {expected} bytes"
+        )
+    flat = np.frombuffer(tensor.data, dtype=storage)
+    return flat.astype(storage.newbyteorder("="), copy=True).reshape(shape)
+
+
+def to_proto(array: mx.array | np.ndarray) -> Tensor:
+    """An MLX (or numpy) array as a Tensor, in its own dtype; bfloat16 crosses as its bit patterns."""
+    import mlx.core as mx
+
+    if not isinstance(array, mx.array):
+        return to_proto_np(array)
+    if array.dtype == mx.bfloat16:
+        return to_proto_np(np.array(array.view(mx.uint16)), dtype=tensor_pb2.DTYPE_BFLOAT16)
+    return to_proto_np(np.asarray(array))
+
+
+def from_proto(tensor: Tensor) -> mx.array:
+    """A Tensor as an MLX array of the same dtype and bits."""
+    import mlx.core as mx
+
+    bits = _payload(tensor)
+    if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
+        return mx.array(bits).view(mx.bfloat16)
+    return mx.array(bits)
