@@ -1,0 +1,102 @@
+"""Linear and embedding layers over checkpoint tensors, dense or affine-quantized.
+
+Both run exactly the MLX ops of `mlx.nn.Linear` / `QuantizedLinear` / `QuantizedEmbedding`, so their
+numbers equal the reference's bit for bit. Weights are read from a `Weights` by module path:
+
+    >>> proj = Linear.from_weights(weights, "stt_model.perception.proj")
+    >>> proj(x)  # x: (..., in) -> (..., out)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from services.common.checkpoint import Weights
+from services.common.config import QuantSpec
+
+
+@dataclass
+class Linear:
+    """y = x W^T + b; W dense `(out, in)` or packed `(out, in * bits / 32)` with scales and biases."""
+
+    weight: mx.array
+    bias: mx.array | None = None
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    spec: QuantSpec | None = None
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, *, bias: bool | None = None) -> Linear:
+        spec = weights.quant_spec(path)
+        has_bias = f"{path}.bias" in weights if bias is None else bias
+        return cls(
+            weight=weights.get(f"{path}.weight"),
+            bias=weights.get(f"{path}.bias") if has_bias else None,
+            scales=weights.get(f"{path}.scales") if spec else None,
+            biases=weights.get(f"{path}.biases") if spec else None,
+            spec=spec,
+        )
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        if self.spec is None:
+            return self.weight.shape[1]
+        return self.weight.shape[1] * 32 // self.spec.bits
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.spec is None:
+            if self.bias is not None:
+                return mx.addmm(self.bias, x, self.weight.T)
+            return x @ self.weight.T
+        y = mx.quantized_matmul(
+            x, self.weight, scales=self.scales, biases=self.biases, transpose=True,
+            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+        )
+        return y + self.bias if self.bias is not None else y
+
+    def dense_weight(self) -> mx.array:
+        """The weight as a dense matrix (dequantized when stored quantized)."""
+        if self.spec is None:
+            return self.weight
+        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.spec.group_size,
+                             bits=self.spec.bits, mode=self.spec.mode)
+
+
+@dataclass
+class Embedding:
+    """Row lookup `table[ids]`, dense or quantized (rows dequantized after the gather)."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    spec: QuantSpec | None = None
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str) -> Embedding:
+        spec = weights.quant_spec(path)
+        return cls(
+            weight=weights.get(f"{path}.weight"),
+            scales=weights.get(f"{path}.scales") if spec else None,
+            biases=weights.get(f"{path}.biases") if spec else None,
+            spec=spec,
+        )
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        if self.spec is None:
+            return self.weight[ids]
+        return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids],
+                             group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """x @ table^T, as a tied output head would compute it."""
+        return Linear(self.weight, None, self.scales, self.biases, self.spec)(x)

@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny random checkpoints the parity goldens were made from, built once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.make_checkpoint import write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "parity" / "golden"
+QUESTION_WAV = ROOT / "examples" / "question.wav"
+CHECKPOINT_SEED = 0
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp(name), "tiny", CHECKPOINT_SEED, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The dense (bf16) tiny checkpoint."""
+    return _build(tmp_path_factory, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny4_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint with its language model at 4 bits."""
+    return _build(tmp_path_factory, "tiny4", bits=4)
+
+
+@pytest.fixture(scope="session")
+def tinymix_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint with the 4/5/6/8-bit per-module map over all networks."""
+    return _build(tmp_path_factory, "tinymix", mixed_bits=True)
