@@ -87,8 +87,10 @@ class Checkpoint:
         return tensors
 
     def keys(self, prefixes: Iterable[str] = ("",)) -> list[str]:
+        """Stored keys under the prefixes; a prefix also matches the converted spelling of renamed keys."""
         prefixes = tuple(prefixes)
-        return [k for k in self.tensors if k.startswith(prefixes)]
+        prefixes += tuple(_renamed(p) for p in prefixes)
+        return [k for k in self.tensors if k.startswith(prefixes) or _renamed(k).startswith(prefixes)]
 
     def read_raw(self, key: str) -> mx.array:
         """One stored tensor as written (no layout conversion)."""
@@ -126,9 +128,7 @@ class Checkpoint:
                 else:
                     out[f"{stem}.{n}.{'Wx' if kind == 'weight_ih' else 'Wh'}"] = value
                 continue
-            name = key.replace("prvq._variance_list.", "prvq.variance_list.")
-            if name == "tts_model._control_codes":
-                name = "tts_model.control_codes"
+            name = _renamed(key)
             out[name] = self._convert(name, value)
         for key, parts in lstm_bias.items():
             out[key] = parts[0] + parts[1] if len(parts) == 2 else parts[0]
@@ -187,6 +187,13 @@ class Checkpoint:
         weight, scales = self.tensors[f"{module}.weight"], self.tensors[f"{module}.scales"]
         bits = weight.shape[-1] * 32 // (scales.shape[-1] * group)
         return QuantSpec(bits, group)
+
+
+def _renamed(key: str) -> str:
+    """The converted name of a key the torch export spells differently."""
+    key = key.replace("prvq._variance_list.", "prvq.variance_list.")
+    return "tts_model.control_codes" + key[len("tts_model._control_codes"):] if key.startswith(
+        "tts_model._control_codes") else key
 
 
 def _gate_conv2d(key: str, value: mx.array) -> mx.array:

@@ -146,6 +146,8 @@ class PreprocessorConfig:
 def _context_pairs(value: Any, path: str) -> tuple[tuple[int, int], ...]:
     """`[70, 0]` and `[[70, 0], ...]` both describe attention contexts; normalise to pairs."""
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+        if len(value) != 2:
+            _fail(path, f"expected [left, right] or a list of them, got {list(value)!r}")
         value = [value]
     if not isinstance(value, (list, tuple)) or not value:
         _fail(path, f"expected [left, right] or a list of them, got {value!r}")

@@ -60,7 +60,9 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             (length,) = struct.unpack("<Q", raw)
             size = path.stat().st_size
             if length > size - 8:
-                raise SafetensorsError(f"{path}: header length {length} exceeds the file size {size}")
+                raise SafetensorsError(
+                    f"{path}: not a safetensors file (header length {length} exceeds the file size {size})"
+                )
             header = json.loads(f.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SafetensorsError(f"{path}: not a safetensors file ({exc})") from None
