@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# One offline turn on the bundled question; the demo checkpoint (random weights) unless MODEL=DIR is given.
 demo: $(STAMP)
-	$(BIN)/python -m tools.demo $(if $(MODEL),--model $(MODEL))
+	$(BIN)/orchestrator offline examples/question.wav --output-audio response.wav --force $(if $(MODEL),--model $(MODEL))
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -6,6 +6,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PromptCodesRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: int
+    def __init__(self, frames: _Optional[int] = ...) -> None: ...
+
+class PromptCodesResponse(_message.Message):
+    __slots__ = ("codes",)
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    codes: _tensor_pb2.Tensor
+    def __init__(self, codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
 class CodecEncodeRequest(_message.Message):
     __slots__ = ("waveform", "sample_rate_hz")
     WAVEFORM_FIELD_NUMBER: _ClassVar[int]

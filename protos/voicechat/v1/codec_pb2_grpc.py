@@ -51,6 +51,11 @@ class CodecServiceStub:
                 request_serializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamRequest.SerializeToString,
                 response_deserializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamResponse.FromString,
                 _registered_method=True)
+        self.PromptCodes = channel.unary_unary(
+                '/voicechat.v1.CodecService/PromptCodes',
+                request_serializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesRequest.SerializeToString,
+                response_deserializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesResponse.FromString,
+                _registered_method=True)
 
 
 class CodecServiceServicer:
@@ -79,6 +84,14 @@ class CodecServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromptCodes(self, request, context):
+        """The speech decoder's warm-up codes: the encoding of (frames + 1) code frames of silence, frame 0 and
+        frame frames-1 masked (codebook_size), the last frame dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CodecServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +109,11 @@ def add_CodecServiceServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamRequest.FromString,
                     response_serializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamResponse.SerializeToString,
+            ),
+            'PromptCodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromptCodes,
+                    request_deserializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesRequest.FromString,
+                    response_serializer=protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +199,33 @@ class CodecService:
             '/voicechat.v1.CodecService/DecodeStream',
             protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamRequest.SerializeToString,
             protos_dot_voicechat_dot_v1_dot_codec__pb2.CodecDecodeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromptCodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voicechat.v1.CodecService/PromptCodes',
+            protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesRequest.SerializeToString,
+            protos_dot_voicechat_dot_v1_dot_codec__pb2.PromptCodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

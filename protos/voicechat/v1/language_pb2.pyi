@@ -1,5 +1,6 @@
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,15 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefixPrecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFIX_PRECISION_UNSPECIFIED: _ClassVar[PrefixPrecision]
+    PREFIX_PRECISION_FLOAT32: _ClassVar[PrefixPrecision]
+    PREFIX_PRECISION_BFLOAT16: _ClassVar[PrefixPrecision]
+PREFIX_PRECISION_UNSPECIFIED: PrefixPrecision
+PREFIX_PRECISION_FLOAT32: PrefixPrecision
+PREFIX_PRECISION_BFLOAT16: PrefixPrecision
+
 class LanguageOpen(_message.Message):
-    __slots__ = ("system_prompt", "prompt_token_ids", "full_history")
+    __slots__ = ("system_prompt", "prompt_token_ids", "full_history", "prefix_precision")
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FULL_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PRECISION_FIELD_NUMBER: _ClassVar[int]
     system_prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     full_history: bool
-    def __init__(self, system_prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., full_history: _Optional[bool] = ...) -> None: ...
+    prefix_precision: PrefixPrecision
+    def __init__(self, system_prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., full_history: _Optional[bool] = ..., prefix_precision: _Optional[_Union[PrefixPrecision, str]] = ...) -> None: ...
 
 class LanguageStep(_message.Message):
     __slots__ = ("frame_index", "audio_embedding", "return_logits")
@@ -36,12 +48,14 @@ class LanguageStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[LanguageOpen, _Mapping]] = ..., step: _Optional[_Union[LanguageStep, _Mapping]] = ...) -> None: ...
 
 class LanguageOpened(_message.Message):
-    __slots__ = ("prompt_positions", "hidden_size")
+    __slots__ = ("prompt_positions", "hidden_size", "prompt_embeds")
     PROMPT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     prompt_positions: int
     hidden_size: int
-    def __init__(self, prompt_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    prompt_embeds: _tensor_pb2.Tensor
+    def __init__(self, prompt_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., prompt_embeds: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LanguageStepResult(_message.Message):
     __slots__ = ("frame_index", "text_token_id", "function_token_id", "text_logits", "function_logits")

@@ -1,10 +1,29 @@
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeechDescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SpeechDescribeResponse(_message.Message):
+    __slots__ = ("prompt_frames", "num_quantizers", "codebook_size", "control_codes", "silence_codes")
+    PROMPT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUANTIZERS_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_CODES_FIELD_NUMBER: _ClassVar[int]
+    SILENCE_CODES_FIELD_NUMBER: _ClassVar[int]
+    prompt_frames: int
+    num_quantizers: int
+    codebook_size: int
+    control_codes: _containers.RepeatedScalarFieldContainer[int]
+    silence_codes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_frames: _Optional[int] = ..., num_quantizers: _Optional[int] = ..., codebook_size: _Optional[int] = ..., control_codes: _Optional[_Iterable[int]] = ..., silence_codes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeechOpen(_message.Message):
     __slots__ = ("seed", "prompt_codes", "prefix_steps")

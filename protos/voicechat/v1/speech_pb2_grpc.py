@@ -40,6 +40,11 @@ class SpeechServiceStub:
                 request_serializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamRequest.SerializeToString,
                 response_deserializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/voicechat.v1.SpeechService/Describe',
+                request_serializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeRequest.SerializeToString,
+                response_deserializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeResponse.FromString,
+                _registered_method=True)
 
 
 class SpeechServiceServicer:
@@ -53,6 +58,13 @@ class SpeechServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What a client needs before opening a session: the prompt length and the code conventions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeechServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_SpeechServiceServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamRequest.FromString,
                     response_serializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeRequest.FromString,
+                    response_serializer=protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class SpeechService:
             '/voicechat.v1.SpeechService/Stream',
             protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamRequest.SerializeToString,
             protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voicechat.v1.SpeechService/Describe',
+            protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeRequest.SerializeToString,
+            protos_dot_voicechat_dot_v1_dot_speech__pb2.SpeechDescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,287 @@
+"""The timeline's clients, twice: over gRPC, and with the engines called in this process.
+
+Both return the same numpy arrays (the wire carries raw bytes in the producer's dtype), so a turn gives
+byte-identical results either way; the in-process pair exists for tests and to measure what gRPC costs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import numpy as np
+
+from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo
+from protos.voicechat.v1 import (
+    codec_pb2,
+    codec_pb2_grpc,
+    language_pb2,
+    language_pb2_grpc,
+    perception_pb2,
+    perception_pb2_grpc,
+    speech_pb2,
+    speech_pb2_grpc,
+)
+from services.common.tensors import from_proto_np, to_proto_np
+
+MAX_MESSAGE_BYTES = 64 << 20
+CALL_TIMEOUT_S = 600.0  # a whole-utterance call on a long input; a dead service fails far sooner
+
+
+class ServiceError(RuntimeError):
+    """A service that failed or went away, named in the message."""
+
+
+def _fail(name: str, address: str, exc: grpc.RpcError) -> ServiceError:
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ServiceError(f"the {name} service at {address} stopped responding ({code.name}: {detail})")
+    return ServiceError(f"the {name} service at {address} failed: {code.name if code else 'error'}: {detail}")
+
+
+class Channel:
+    """One service's channel and stub, with calls that turn gRPC failures into a ServiceError naming it."""
+
+    def __init__(self, name: str, address: str, stub_class):
+        self.name, self.address = name, address
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = stub_class(self.channel)
+
+    def unary(self, method: str, request):
+        try:
+            return getattr(self.stub, method)(request, timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise _fail(self.name, self.address, exc) from None
+
+    def stream(self, method: str) -> BidiStream:
+        return BidiStream(self, method)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class BidiStream:
+    """A bidirectional stream used as request/response pairs: `call(message)` sends one and waits for one."""
+
+    _END = object()
+
+    def __init__(self, channel: Channel, method: str):
+        self.channel = channel
+        self._requests: queue.Queue = queue.Queue()
+        self._responses = getattr(channel.stub, method)(iter(self._next_request, self._END))
+        self._lock = threading.Lock()
+
+    def _next_request(self):
+        return self._requests.get()
+
+    def call(self, message):
+        with self._lock:
+            self._requests.put(message)
+            try:
+                return next(self._responses)
+            except grpc.RpcError as exc:
+                raise _fail(self.channel.name, self.channel.address, exc) from None
+            except StopIteration:
+                raise ServiceError(f"the {self.channel.name} service at {self.channel.address} ended the "
+                                   "session unexpectedly") from None
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+        self._responses.cancel()
+
+
+# ------------------------------------------------------------------------------------------------ gRPC
+
+
+class GrpcPerception:
+    def __init__(self, address: str):
+        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub)
+
+    def encode(self, waveform: np.ndarray) -> PerceptionResult:
+        reply = self.channel.unary("Encode", perception_pb2.EncodeRequest(
+            waveform=to_proto_np(waveform.astype(np.float32)), sample_rate_hz=16_000))
+        return PerceptionResult(
+            mel=from_proto_np(reply.mel), encoder=from_proto_np(reply.encoder_output),
+            audio_embeds=from_proto_np(reply.audio_embeds), transcript=reply.transcript,
+            transcript_ids=np.array(reply.transcript_token_ids, dtype=np.int32),
+        )
+
+
+@dataclass
+class GrpcLanguageSession:
+    stream: BidiStream
+    prompt_positions: int
+    prompt_embeds: np.ndarray
+    frame: int = 0
+
+    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
+        reply = self.stream.call(language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(
+            frame_index=self.frame, audio_embedding=to_proto_np(audio_embedding))))
+        self.frame += 1
+        return reply.step.text_token_id, reply.step.function_token_id
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class GrpcLanguage:
+    def __init__(self, address: str, prefix_precision: int = language_pb2.PREFIX_PRECISION_FLOAT32):
+        self.channel = Channel("language", address, language_pb2_grpc.LanguageServiceStub)
+        self.prefix_precision = prefix_precision
+
+    def open(self, system_prompt: str) -> GrpcLanguageSession:
+        stream = self.channel.stream("Stream")
+        reply = stream.call(language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
+            system_prompt=system_prompt, prefix_precision=self.prefix_precision)))
+        embeds = from_proto_np(reply.opened.prompt_embeds) if reply.opened.HasField("prompt_embeds") else None
+        return GrpcLanguageSession(stream, reply.opened.prompt_positions, embeds)
+
+
+@dataclass
+class GrpcSpeechSession:
+    stream: BidiStream
+    frame: int = 0
+
+    def step(self, text_id: int) -> np.ndarray:
+        reply = self.stream.call(speech_pb2.SpeechStreamRequest(step=speech_pb2.SpeechStep(
+            frame_index=self.frame, text_token_id=text_id)))
+        self.frame += 1
+        return from_proto_np(reply.step.codes)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class GrpcSpeech:
+    def __init__(self, address: str):
+        self.channel = Channel("speech", address, speech_pb2_grpc.SpeechServiceStub)
+
+    def info(self) -> SpeechInfo:
+        reply = self.channel.unary("Describe", speech_pb2.SpeechDescribeRequest())
+        return SpeechInfo(reply.prompt_frames, reply.num_quantizers, tuple(reply.control_codes),
+                          tuple(reply.silence_codes))
+
+    def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> GrpcSpeechSession:
+        stream = self.channel.stream("Stream")
+        stream.call(speech_pb2.SpeechStreamRequest(open=speech_pb2.SpeechOpen(
+            seed=seed, prompt_codes=to_proto_np(prompt_codes.astype(np.int32)), prefix_steps=prefix_steps)))
+        return GrpcSpeechSession(stream)
+
+
+class GrpcCodec:
+    def __init__(self, address: str):
+        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub)
+
+    def prompt_codes(self, frames: int) -> np.ndarray:
+        return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        reply = self.channel.unary("Decode", codec_pb2.CodecDecodeRequest(codes=to_proto_np(codes.astype(np.int32))))
+        return from_proto_np(reply.waveform)
+
+
+def grpc_clients(addresses: dict[str, str]) -> Clients:
+    return Clients(GrpcPerception(addresses["perception"]), GrpcLanguage(addresses["llm"]),
+                   GrpcSpeech(addresses["tts"]), GrpcCodec(addresses["codec"]))
+
+
+def close_clients(clients: Clients) -> None:
+    for client in (clients.perception, clients.language, clients.speech, clients.codec):
+        channel = getattr(client, "channel", None)
+        if channel is not None:
+            channel.close()
+
+
+# ------------------------------------------------------------------------------------------ in-process
+
+
+def _np(array: mx.array) -> np.ndarray:
+    return np.array(array)
+
+
+class LocalPerception:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def encode(self, waveform: np.ndarray) -> PerceptionResult:
+        out = self.engine.encode(waveform.astype(np.float32))
+        return PerceptionResult(_np(out.mel), _np(out.encoder_out), _np(out.audio_embeds), out.transcript,
+                                np.array(out.token_ids, dtype=np.int32))
+
+
+@dataclass
+class LocalLanguageSession:
+    engine: object
+    session: object
+    prompt_positions: int
+    prompt_embeds: np.ndarray
+
+    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
+        out = self.session.step(mx.array(audio_embedding))
+        return out.text_id, out.function_id
+
+    def close(self) -> None:
+        self.engine.close_session(self.session)
+
+
+class LocalLanguage:
+    def __init__(self, engine, prefix_dtype: str = "float32"):
+        self.engine, self.prefix_dtype = engine, prefix_dtype
+
+    def open(self, system_prompt: str) -> LocalLanguageSession:
+        session = self.engine.open_session(system_prompt, prefix_dtype=self.prefix_dtype)
+        return LocalLanguageSession(self.engine, session, session.prompt_positions,
+                                    self.engine.prompt_embeddings(session, self.prefix_dtype))
+
+
+@dataclass
+class LocalSpeechSession:
+    session: object
+
+    def step(self, text_id: int) -> np.ndarray:
+        return self.session.step(text_id)[0]
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSpeech:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def info(self) -> SpeechInfo:
+        e = self.engine
+        return SpeechInfo(e.prompt_frames, e.num_quantizers, tuple(np.array(e.control_codes).tolist()),
+                          tuple(np.array(e.silence_codes).tolist()))
+
+    def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> LocalSpeechSession:
+        return LocalSpeechSession(self.engine.open_session(seed, prompt_codes, prefix_steps))
+
+
+class LocalCodec:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def prompt_codes(self, frames: int) -> np.ndarray:
+        return self.engine.encode_prompt_codes(frames)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        return self.engine.decode(codes)
+
+
+def local_clients(model: Path) -> Clients:
+    from services.codec.engine import CodecEngine
+    from services.llm.engine import LanguageEngine
+    from services.perception.engine import PerceptionEngine
+    from services.tts.engine import TTSEngine
+
+    return Clients(LocalPerception(PerceptionEngine.load(model)), LocalLanguage(LanguageEngine.load(model)),
+                   LocalSpeech(TTSEngine.load(model)), LocalCodec(CodecEngine.load(model)))

@@ -1,0 +1,137 @@
+"""The embedded default: start the four network services as child processes and stop them when done.
+
+Each child is `python -m services.<name> --model DIR --port 0`; it prints `listening on HOST:PORT` once its
+health check says SERVING. Children die with the orchestrator: they are stopped on exit, on Ctrl-C and on
+error, and on Linux the kernel also signals them if the orchestrator itself is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.cli import parse_ready_line
+
+SERVICES = ("perception", "llm", "tts", "codec")
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """A service that did not come up."""
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    address: str = ""
+    log: list[str] = field(default_factory=list)  # the child's stderr, kept for error messages
+
+    def tail(self, lines: int = 5) -> str:
+        return "\n".join(self.log[-lines:])
+
+
+def _drain(stream, sink: list[str]) -> None:
+    for line in stream:
+        sink.append(line.rstrip())
+        del sink[:-200]
+
+
+def start_service(name: str, model: Path, timeout_s: float = 120.0, extra: list[str] | None = None) -> ServiceProcess:
+    """Start one service on a free port and wait until it says it is serving."""
+    command = [sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
+               "--host", "127.0.0.1", "--log-level", "WARNING", *(extra or [])]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_die_with_parent)
+    child = ServiceProcess(name, process)
+    threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
+    ready: list[str] = []
+
+    def wait_for_ready() -> None:
+        for line in process.stdout:
+            parsed = parse_ready_line(line)
+            if parsed:
+                ready.append(f"{parsed[0]}:{parsed[1]}")
+                break
+        for _ in process.stdout:  # keep the pipe drained
+            pass
+
+    threading.Thread(target=wait_for_ready, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready:
+        if process.poll() is not None:
+            time.sleep(0.05)  # let the stderr reader catch the last lines
+            raise LaunchError(f"the {name} service exited with code {process.returncode}: "
+                              f"{child.tail() or 'no output'}")
+        if time.monotonic() > deadline:
+            stop([child])
+            raise LaunchError(f"the {name} service did not become ready within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    child.address = ready[0]
+    return child
+
+
+def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+@contextlib.contextmanager
+def launched(model: Path, names: tuple[str, ...] = SERVICES) -> Iterator[dict[str, ServiceProcess]]:
+    """Start the services (in parallel), yield name -> process, and always stop them."""
+    children: dict[str, ServiceProcess] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def start(name: str) -> None:
+        try:
+            child = start_service(name, model)
+            with lock:
+                children[name] = child
+        except BaseException as exc:  # noqa: BLE001 - reported below, after every start has finished
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in names]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        yield children
+    finally:
+        stop(list(children.values()))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

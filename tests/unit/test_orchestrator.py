@@ -1,0 +1,170 @@
+"""Orchestrator pieces without services: audio IO, the timeline over fake clients, text deltas, flags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from orchestrator.audio import AudioError, read_audio, resample, to_pcm16, write_wav
+from orchestrator.connect import parse_services
+from orchestrator.text import TokenAccumulator
+from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo, append_silence, run_offline
+
+Q = 4
+INFO = SpeechInfo(prompt_frames=3, num_quantizers=Q, control_codes=(7, 9), silence_codes=(100, 101, 102, 103))
+
+
+class FakePerception:
+    def encode(self, waveform):
+        frames = len(waveform) // 1280
+        embeds = np.arange(frames * 2, dtype=np.float32).reshape(frames, 2)
+        return PerceptionResult(np.zeros((1, 128), np.float32), embeds, embeds, "hi", np.array([5], np.int32))
+
+
+class FakeLanguage:
+    def __init__(self, prefix):
+        self.prefix, self.log = prefix, []
+
+    def open(self, system_prompt):
+        outer = self
+
+        class Session:
+            prompt_positions = outer.prefix
+            prompt_embeds = np.full((outer.prefix, 2), -1.0, np.float32)
+
+            def step(self, embedding):
+                outer.log.append(("step", float(embedding[0])))
+                return 2 if embedding[0] == 2.0 else 30 + int(embedding[0]), 12
+
+            def close(self):
+                outer.log.append(("close",))
+
+        return Session()
+
+
+class FakeSpeech:
+    def __init__(self):
+        self.log = []
+
+    def info(self):
+        return INFO
+
+    def open(self, seed, prompt_codes, prefix_steps):
+        self.log.append(("open", seed, prompt_codes.shape, prefix_steps))
+        outer = self
+
+        class Session:
+            def step(self, text_id):
+                outer.log.append(("step", text_id))
+                return np.array([7, text_id, 9, 1], np.int32)
+
+            def close(self):
+                outer.log.append(("close",))
+
+        return Session()
+
+
+class FakeCodec:
+    def prompt_codes(self, frames):
+        return np.zeros((frames, Q), np.int32)
+
+    def decode(self, codes):
+        return np.repeat(codes[:, 1].astype(np.float32), 1764)
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+def test_timeline_order_and_edges(prefix):
+    language, speech = FakeLanguage(prefix), FakeSpeech()
+    clients = Clients(FakePerception(), language, speech, FakeCodec())
+    result = run_offline(clients, np.zeros(4 * 1280, np.float32), system_prompt="x", seed=5)
+    assert speech.log[0] == ("open", 5, (3, Q), max(prefix - 1, 0))
+    steps = [entry[1] for entry in speech.log if entry[0] == "step"]
+    # no speech step at timeline position 0; every frame after it gets one, in order
+    expected = [int(t) for t in result.text_tokens[(1 if prefix == 0 else 0):]]
+    assert steps == expected
+    assert result.text_tokens.tolist() == [30, 2, 34, 36] and result.function_tokens.tolist() == [12] * 4
+    first = result.raw_codes[0].tolist()
+    assert first == ([0, 0, 0, 0] if prefix == 0 else [7, 30, 9, 1])
+    # control codes 7 and 9 become the codebook's silence code, everywhere
+    assert result.audio_codes[1].tolist() == [100, 2, 102, 1]
+    assert result.audio.shape == (4 * 1764,)
+    assert result.audio_embeds.shape == (prefix + 4, 2)
+    assert language.log[-1] == ("close",) and speech.log[-1] == ("close",)
+
+
+def test_append_silence_rejects_negative_seconds():
+    assert append_silence(np.ones(3, np.float32), 0.5, 16).shape == (11,)
+    with pytest.raises(ValueError, match="non-negative"):
+        append_silence(np.ones(3, np.float32), -1, 16)
+
+
+def test_read_audio_mixes_down_and_resamples(tmp_path):
+    t = np.arange(44_100) / 44_100
+    tone = 0.5 * np.sin(2 * np.pi * 440 * t)
+    sf.write(tmp_path / "stereo.wav", np.stack([tone, tone], axis=1), 44_100, subtype="PCM_16")
+    out = read_audio(tmp_path / "stereo.wav")
+    assert out.dtype == np.float32 and out.shape == (16_000,)
+    expected = 0.5 * np.sin(2 * np.pi * 440 * np.arange(16_000) / 16_000)
+    assert np.abs(out[200:-200] - expected[200:-200]).max() < 2e-3
+
+
+def test_16k_input_is_read_exactly(tmp_path):
+    samples = (np.arange(-800, 800, dtype=np.int16) * 20)
+    sf.write(tmp_path / "a.wav", samples, 16_000, subtype="PCM_16")
+    assert np.array_equal(read_audio(tmp_path / "a.wav"), samples.astype(np.float32) / 32768)
+
+
+def test_resample_identity_and_length():
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert resample(x, 16_000, 16_000) is x or np.array_equal(resample(x, 16_000, 16_000), x)
+    assert resample(x, 48_000, 16_000).shape == (334,)
+
+
+def test_audio_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(AudioError, match="no such file"):
+        read_audio(tmp_path / "absent.wav")
+    (tmp_path / "text.wav").write_text("not audio")
+    with pytest.raises(AudioError, match="not a readable audio file"):
+        read_audio(tmp_path / "text.wav")
+    sf.write(tmp_path / "empty.wav", np.zeros(0, np.int16), 16_000, subtype="PCM_16")
+    with pytest.raises(AudioError, match="holds no audio"):
+        read_audio(tmp_path / "empty.wav")
+
+
+def test_write_wav_is_atomic_and_pcm16(tmp_path):
+    path = write_wav(tmp_path / "out.wav", np.array([0.0, 0.5, -2.0, 1.0], np.float32), 22_050)
+    data, rate = sf.read(path, dtype="int16")
+    info = sf.info(path)
+    assert rate == 22_050 and info.channels == 1 and info.subtype == "PCM_16"
+    assert data.tolist() == [0, 16384, -32767, 32767] == to_pcm16(np.array([0, 0.5, -2, 1])).tolist()
+    assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+    with pytest.raises(AudioError, match="no such folder"):
+        write_wav(tmp_path / "missing" / "out.wav", np.zeros(3, np.float32), 22_050)
+
+
+class FakeDecoder:
+    hidden = frozenset({12})
+
+    def decode(self, ids):
+        pieces = {1: "a", 2: "b", 3: "\ufffd", 4: "é"}
+        text = "".join(pieces[i] for i in ids)
+        return text.replace("\ufffd" + "é", "é")  # a partial byte sequence revised by the next token
+
+
+def test_token_accumulator_deltas():
+    acc = TokenAccumulator(FakeDecoder())
+    assert acc.append(12) is None
+    assert acc.append(1) == ("a", "a")
+    assert acc.append(2) == ("b", "ab")
+    assert acc.append(3) == ("\ufffd", "ab\ufffd")
+    assert acc.append(4) == ("é", "abé")  # not an extension: the single-token decode is the delta
+
+
+def test_parse_services():
+    parsed = parse_services("perception=h:1,llm=h:2,tts=h:3,codec=h:4")
+    assert parsed == {"perception": "h:1", "llm": "h:2", "tts": "h:3", "codec": "h:4"}
+    with pytest.raises(ValueError, match="missing codec"):
+        parse_services("perception=h:1,llm=h:2,tts=h:3")
+    with pytest.raises(ValueError, match="expected NAME=HOST:PORT"):
+        parse_services("vision=h:1")
