@@ -1,0 +1,29 @@
+"""`python -m services.perception --model DIR --port N`: the perception network as a gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.cli import ServiceSpec, run_service
+from services.common.engine_thread import EngineThread
+from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
+
+
+def build(args: argparse.Namespace) -> ServiceSpec:
+    engine_thread = EngineThread("perception")
+    servicer = PerceptionServicer(engine_thread)
+
+    async def load() -> None:
+        await servicer.load(args.model)
+
+    return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close)
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        run_service(
+            build,
+            prog="services.perception",
+            description="Log-mel, FastConformer and RNNT transcript over gRPC (whole utterances and 80 ms streams).",
+        )
+    )

@@ -1,0 +1,306 @@
+"""Cache-aware FastConformer encoder: causal depthwise-striding subsampling, rel-pos attention, causal conv.
+
+Every module is a pure function of its weights and inputs. The whole-utterance door is `Conformer.__call__`
+(mel `(1, T, n_mels)` -> `(1, T', d_model)` with the chunked-limited mask); the streaming door is
+`Conformer.step`, which takes every layer's attention and conv caches and returns the updated ones
+(the caches live in `streaming.EncoderStream`, never here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+from services.common.checkpoint import Weights
+from services.common.config import EncoderConfig
+from services.common.layers import Linear
+
+NEG_INF = -1e30
+# Causal 3x3 stride-2 convs pad (kernel - 1) before and (stride - 1) after, on time and frequency.
+SUB_KERNEL, SUB_STRIDE = 3, 2
+SUB_PAD = (SUB_KERNEL - 1, SUB_STRIDE - 1)
+
+
+def subsampled_length(n: int, steps: int) -> int:
+    """Length after `steps` causal stride-2 convs: `floor(n / 2) + 1` each, so 128 -> 65 -> 33 -> 17."""
+    for _ in range(steps):
+        n = (n + SUB_PAD[0] + SUB_PAD[1] - SUB_KERNEL) // SUB_STRIDE + 1
+    return n
+
+
+def chunked_limited_mask(length: int, left: int, right: int) -> mx.array:
+    """(length, length) additive mask: 0 where query i sees key j, NEG_INF elsewhere.
+
+    Frames form chunks of `right + 1`; a frame sees its own chunk and `left // (right + 1)` chunks before it.
+    With (left, right) = (2, 0): row 3 sees keys 1, 2, 3.
+    """
+    chunk = right + 1
+    back = left // chunk if left >= 0 else length
+    idx = mx.arange(length, dtype=mx.int32) // chunk
+    diff = idx[:, None] - idx[None, :]
+    return mx.where((diff >= 0) & (diff <= back), 0.0, NEG_INF).astype(mx.float32)
+
+
+def rel_shift(x: mx.array) -> mx.array:
+    """x: (B, H, Tq, P) scores against positions P = 2*Tk - 1 (descending) -> same shape, row i shifted so
+    column j holds relative position (i - j) for the first Tk columns (Transformer-XL's pad-and-reshape)."""
+    b, h, tq, p = x.shape
+    x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (1, 0)])
+    x = x.reshape(b, h, p + 1, tq)[:, :, 1:, :]
+    return x.reshape(b, h, tq, p)
+
+
+@lru_cache(maxsize=4)
+def _position_table(max_len: int, d_model: int) -> mx.array:
+    # Built once over positions max_len-1 .. -(max_len-1) and sliced, so every window sees identical rows.
+    pos = mx.arange(max_len - 1, -max_len, -1, dtype=mx.int32).astype(mx.float32)[:, None]
+    freq = mx.exp(mx.arange(0, d_model, 2, dtype=mx.float32) * -(math.log(10000.0) / d_model))
+    angles = pos * freq
+    table = mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(2 * max_len - 1, d_model)
+    mx.eval(table)
+    return table
+
+
+def rel_positions(length: int, d_model: int, max_len: int = 5000) -> mx.array:
+    """(1, 2*length - 1, d_model) sinusoids (even channels sin, odd cos) for positions length-1 .. -(length-1)."""
+    max_len = max(max_len, length)
+    table = _position_table(max_len, d_model)
+    centre = max_len - 1
+    return table[None, centre - (length - 1) : centre + length]
+
+
+@dataclass
+class LayerNorm:
+    weight: mx.array
+    bias: mx.array
+    eps: float = 1e-5
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str) -> LayerNorm:
+        return cls(weights.get(f"{path}.weight"), weights.get(f"{path}.bias"))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+@dataclass
+class Conv:
+    """Channels-last conv: weight `(O, *k, I/groups)`; 1-D when the weight is 3-D, 2-D when 4-D."""
+
+    weight: mx.array
+    bias: mx.array | None
+    stride: int = 1
+    groups: int = 1
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, *, stride: int = 1, groups: int = 1) -> Conv:
+        bias = weights.get(f"{path}.bias") if f"{path}.bias" in weights else None
+        return cls(weights.get(f"{path}.weight"), bias, stride, groups)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.weight.ndim == 4:
+            y = mx.conv2d(x, self.weight, self.stride, 0, 1, self.groups)
+        else:
+            y = mx.conv1d(x, self.weight, self.stride, 0, 1, self.groups)
+        return y + self.bias if self.bias is not None else y
+
+
+@dataclass
+class Subsampling:
+    """Causal depthwise-striding 8x subsampling: mel (B, T, F) -> (B, T', d_model)."""
+
+    convs: list[tuple[Conv, bool, bool]]  # (conv, pad before it, ReLU after it)
+    out: Linear
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, cfg: EncoderConfig) -> Subsampling:
+        ch = cfg.subsampling_conv_channels
+        convs = [(Conv.from_weights(weights, f"{path}.conv.0", stride=SUB_STRIDE), True, True)]
+        for i in range(cfg.subsampling_steps - 1):  # conv.2/3, conv.5/6, ... (ReLUs hold no weights)
+            base = 2 + 3 * i
+            convs.append((Conv.from_weights(weights, f"{path}.conv.{base}", stride=SUB_STRIDE, groups=ch), True, False))
+            convs.append((Conv.from_weights(weights, f"{path}.conv.{base + 1}"), False, True))
+        return cls(convs, Linear.from_weights(weights, f"{path}.out"))
+
+    def __call__(self, mel: mx.array) -> mx.array:
+        x = mel[..., None]  # (B, T, F, 1)
+        pad = [(0, 0), SUB_PAD, SUB_PAD, (0, 0)]
+        for conv, padded, relu in self.convs:
+            x = conv(mx.pad(x, pad) if padded else x)
+            if relu:
+                x = mx.maximum(x, 0)
+        b, t, f, c = x.shape
+        return self.out(x.transpose(0, 1, 3, 2).reshape(b, t, c * f))  # channel-major flatten
+
+
+@dataclass
+class RelPosAttention:
+    q: Linear
+    k: Linear
+    v: Linear
+    out: Linear
+    pos: Linear
+    bias_u: mx.array  # (H, Dh)
+    bias_v: mx.array
+    n_heads: int
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, n_heads: int) -> RelPosAttention:
+        lin = {n: Linear.from_weights(weights, f"{path}.linear_{n}") for n in ("q", "k", "v", "out", "pos")}
+        return cls(lin["q"], lin["k"], lin["v"], lin["out"], lin["pos"],
+                   weights.get(f"{path}.pos_bias_u"), weights.get(f"{path}.pos_bias_v"), n_heads)
+
+    def __call__(self, x: mx.array, kv: mx.array, pos_emb: mx.array, mask: mx.array | None) -> mx.array:
+        """x: (B, Tq, D) queries; kv: (B, Tk, D) keys/values, the last Tq of them aligned with x;
+        pos_emb: (1, 2*Tk - 1, D); mask: additive (Tq, Tk) or None."""
+        b, tq, d = x.shape
+        tk = kv.shape[1]
+        h = self.n_heads
+        dh = d // h
+        scale = dh**-0.5
+        q = self.q(x).reshape(b, tq, h, dh)
+        k = self.k(kv).reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
+        v = self.v(kv).reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
+        p = self.pos(pos_emb)
+        p = p.reshape(p.shape[0], p.shape[1], h, dh).transpose(0, 2, 1, 3)
+        q_u = (q + self.bias_u).transpose(0, 2, 1, 3)
+        q_v = (q + self.bias_v).transpose(0, 2, 1, 3)
+        bd = rel_shift(q_v @ p.swapaxes(-2, -1))[:, :, :, :tk] * scale
+        if mask is not None:
+            bd = bd + mask
+        o = mx.fast.scaled_dot_product_attention(q_u, k, v, scale=scale, mask=bd)
+        return self.out(o.transpose(0, 2, 1, 3).reshape(b, tq, d))
+
+
+@dataclass
+class FeedForward:
+    linear1: Linear
+    linear2: Linear
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str) -> FeedForward:
+        return cls(Linear.from_weights(weights, f"{path}.linear1"), Linear.from_weights(weights, f"{path}.linear2"))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.linear1(x)
+        return self.linear2(h * mx.sigmoid(h))
+
+
+@dataclass
+class ConvModule:
+    """pointwise (D -> 2D) -> GLU -> causal depthwise (k) -> LayerNorm -> SiLU -> pointwise (D -> D)."""
+
+    pointwise1: Conv
+    depthwise: Conv
+    norm: LayerNorm
+    pointwise2: Conv
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, d_model: int) -> ConvModule:
+        return cls(
+            Conv.from_weights(weights, f"{path}.pointwise_conv1"),
+            Conv.from_weights(weights, f"{path}.depthwise_conv", groups=d_model),
+            LayerNorm.from_weights(weights, f"{path}.batch_norm"),  # a LayerNorm despite the key name
+            Conv.from_weights(weights, f"{path}.pointwise_conv2"),
+        )
+
+    def gated(self, x: mx.array) -> mx.array:
+        """x: (B, T, D) -> GLU output (B, T, D): the depthwise conv's input, which the stream caches."""
+        a, gate = mx.split(self.pointwise1(x), 2, axis=-1)
+        return a * mx.sigmoid(gate)
+
+    def finish(self, padded: mx.array) -> mx.array:
+        """padded: (B, T + k - 1, D) GLU output with its left context -> (B, T, D)."""
+        y = self.norm(self.depthwise(padded))
+        return self.pointwise2(y * mx.sigmoid(y))
+
+
+@dataclass
+class ConformerBlock:
+    norm_ff1: LayerNorm
+    ff1: FeedForward
+    norm_att: LayerNorm
+    attn: RelPosAttention
+    norm_conv: LayerNorm
+    conv: ConvModule
+    norm_ff2: LayerNorm
+    ff2: FeedForward
+    norm_out: LayerNorm
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, cfg: EncoderConfig) -> ConformerBlock:
+        def ln(name: str) -> LayerNorm:
+            return LayerNorm.from_weights(weights, f"{path}.{name}")
+
+        return cls(
+            ln("norm_feed_forward1"), FeedForward.from_weights(weights, f"{path}.feed_forward1"),
+            ln("norm_self_att"), RelPosAttention.from_weights(weights, f"{path}.self_attn", cfg.n_heads),
+            ln("norm_conv"), ConvModule.from_weights(weights, f"{path}.conv", cfg.d_model),
+            ln("norm_feed_forward2"), FeedForward.from_weights(weights, f"{path}.feed_forward2"),
+            ln("norm_out"),
+        )
+
+    def __call__(self, x: mx.array, pos_emb: mx.array, mask: mx.array, conv_pad: tuple[int, int]) -> mx.array:
+        """Whole sequence: x (B, T, D) -> (B, T, D)."""
+        x = x + 0.5 * self.ff1(self.norm_ff1(x))
+        xn = self.norm_att(x)
+        x = x + self.attn(xn, xn, pos_emb, mask)
+        g = self.conv.gated(self.norm_conv(x))
+        x = x + self.conv.finish(mx.pad(g, [(0, 0), conv_pad, (0, 0)]))
+        x = x + 0.5 * self.ff2(self.norm_ff2(x))
+        return self.norm_out(x)
+
+    def step(
+        self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, pos_emb: mx.array, left: int
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Streaming: x (B, c, D) new frames; attn_cache (B, n, D) earlier attention inputs (n ≤ left);
+        conv_cache (B, k-1, D) earlier GLU outputs; pos_emb (1, 2(n+c)-1, D).
+        Returns (out (B, c, D), attn_cache', conv_cache')."""
+        x = x + 0.5 * self.ff1(self.norm_ff1(x))
+        xn = self.norm_att(x)
+        kv = mx.concatenate([attn_cache, xn], axis=1)
+        # the window is exactly the allowed left context, so no mask
+        x = x + self.attn(xn, kv, pos_emb, None)
+        g = self.conv.gated(self.norm_conv(x))
+        din = mx.concatenate([conv_cache, g], axis=1)
+        x = x + self.conv.finish(din)
+        x = x + 0.5 * self.ff2(self.norm_ff2(x))
+        return self.norm_out(x), kv[:, max(kv.shape[1] - left, 0) :], din[:, din.shape[1] - conv_cache.shape[1] :]
+
+
+@dataclass
+class Conformer:
+    cfg: EncoderConfig
+    pre_encode: Subsampling
+    layers: list[ConformerBlock]
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, cfg: EncoderConfig) -> Conformer:
+        layers = [ConformerBlock.from_weights(weights, f"{path}.layers.{i}", cfg) for i in range(cfg.n_layers)]
+        return cls(cfg, Subsampling.from_weights(weights, f"{path}.pre_encode", cfg), layers)
+
+    def __call__(self, mel: mx.array) -> mx.array:
+        """Whole utterance: mel (1, T, n_mels) -> (1, subsampled_length(T), d_model)."""
+        x = self.pre_encode(mel)
+        length = x.shape[1]
+        pos_emb = rel_positions(length, self.cfg.d_model, self.cfg.pos_emb_max_len).astype(x.dtype)
+        mask = chunked_limited_mask(length, self.cfg.left_context, self.cfg.right_context).astype(x.dtype)
+        for layer in self.layers:
+            x = layer(x, pos_emb, mask, self.cfg.conv_padding)
+        return x
+
+    def step(
+        self, x: mx.array, attn_caches: list[mx.array], conv_caches: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """Streaming over all layers: x (1, c, d_model) subsampled frames -> (1, c, d_model) and new caches."""
+        pos_emb = rel_positions(attn_caches[0].shape[1] + x.shape[1], self.cfg.d_model, self.cfg.pos_emb_max_len)
+        pos_emb = pos_emb.astype(x.dtype)
+        new_attn, new_conv = [], []
+        for layer, a, c in zip(self.layers, attn_caches, conv_caches, strict=True):
+            x, a, c = layer.step(x, a, c, pos_emb, self.cfg.left_context)
+            new_attn.append(a)
+            new_conv.append(c)
+        return x, new_attn, new_conv

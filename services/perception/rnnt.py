@@ -1,0 +1,170 @@
+"""RNNT transcript branch: LSTM prediction network, joint network, greedy decoding, piece decoding.
+
+Greedy per encoder frame: predict from the last emitted token (zeros while it is blank), join with the frame,
+take the argmax; blank ends the frame, anything else is emitted and advances the predictor, at most
+`max_symbols` times per frame. `<unk>`, `<pad>`, `<s>`, `</s>` and `<xx-XX>` language tags advance the
+predictor but are not part of the text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from services.common.checkpoint import Weights
+from services.common.layers import Embedding, Linear
+
+_LANG_TAG = re.compile(r"^<[a-z]{2,3}-[A-Za-z]{2,4}>$")
+_SPECIAL = frozenset({"<unk>", "<pad>", "<s>", "</s>"})
+WORD_START = "\u2581"  # SentencePiece's word-start mark
+
+
+def is_special_piece(piece: str) -> bool:
+    """`is_special_piece("<en-US>") is True`; `is_special_piece("▁the") is False`."""
+    return piece in _SPECIAL or bool(_LANG_TAG.match(piece))
+
+
+def _join(ids: list[int], vocabulary: list[str]) -> str:
+    parts = [vocabulary[i] for i in ids if 0 <= i < len(vocabulary)]
+    return "".join(p.replace(WORD_START, " ") for p in parts if not is_special_piece(p))
+
+
+def pieces_to_text(ids: list[int], vocabulary: list[str]) -> str:
+    """Join pieces with `▁` as a space, dropping specials and out-of-range ids: [▁the, re] -> "there"."""
+    return _join(ids, vocabulary).strip()
+
+
+@dataclass
+class LSTMLayer:
+    """One LSTM layer, gates i, f, g, o; Wx (4H, in), Wh (4H, H), bias (4H,) = b_ih + b_hh."""
+
+    Wx: mx.array
+    Wh: mx.array
+    bias: mx.array
+
+    def __call__(self, x: mx.array, h: mx.array | None, c: mx.array | None) -> tuple[mx.array, mx.array]:
+        """One time step: x (B, in), h/c (B, H) or None for a zero state -> (h', c')."""
+        gates = mx.addmm(self.bias, x, self.Wx.T)
+        if h is not None:
+            gates = mx.addmm(gates, h, self.Wh.T)
+        i, f, g, o = mx.split(gates, 4, axis=-1)
+        i, f, g, o = mx.sigmoid(i), mx.sigmoid(f), mx.tanh(g), mx.sigmoid(o)
+        c = i * g if c is None else f * c + i * g
+        return o * mx.tanh(c), c
+
+
+@dataclass
+class PredictionNetwork:
+    embed: Embedding
+    layers: list[LSTMLayer]
+    hidden: int
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, num_layers: int, hidden: int) -> PredictionNetwork:
+        stem = f"{path}.prediction.dec_rnn.lstm"
+        layers = [LSTMLayer(weights.get(f"{stem}.{n}.Wx"), weights.get(f"{stem}.{n}.Wh"),
+                            weights.get(f"{stem}.{n}.bias")) for n in range(num_layers)]
+        return cls(Embedding.from_weights(weights, f"{path}.prediction.embed"), layers, hidden)
+
+    def __call__(
+        self, token: int | None, state: tuple[list[mx.array], list[mx.array]] | None
+    ) -> tuple[mx.array, tuple[list[mx.array], list[mx.array]]]:
+        """token: last emitted id, or None for blank (zero input); state: per-layer (h, c) lists (B=1).
+        Returns (output (1, 1, H), new state)."""
+        if token is None:
+            x = mx.zeros((1, self.hidden), dtype=mx.float32)
+        else:
+            x = self.embed(mx.array([token], dtype=mx.int32))
+        hs, cs = [], []
+        for n, layer in enumerate(self.layers):
+            h, c = layer(x, *((state[0][n], state[1][n]) if state is not None else (None, None)))
+            hs.append(h)
+            cs.append(c)
+            x = h
+        return x[None], (hs, cs)
+
+
+@dataclass
+class JointNetwork:
+    enc: Linear
+    pred: Linear
+    out: Linear
+    activation: str = "relu"
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, activation: str) -> JointNetwork:
+        return cls(Linear.from_weights(weights, f"{path}.enc"), Linear.from_weights(weights, f"{path}.pred"),
+                   Linear.from_weights(weights, f"{path}.joint_net.2"), activation)
+
+    def __call__(self, enc_proj: mx.array, pred: mx.array) -> mx.array:
+        """enc_proj: (1, 1, J) = enc(frame); pred: (1, 1, H) -> logits (1, 1, 1, V + 1)."""
+        x = enc_proj[:, :, None, :] + self.pred(pred)[:, None, :, :]
+        if self.activation == "relu":
+            x = mx.maximum(x, 0)
+        elif self.activation == "sigmoid":
+            x = mx.sigmoid(x)
+        else:
+            x = mx.tanh(x)
+        return self.out(x)
+
+
+@dataclass
+class RNNTState:
+    """Per-session decoder state: last emitted token (blank at start), LSTM state, emitted text ids."""
+
+    blank: int
+    last_token: int = -1
+    lstm: tuple[list[mx.array], list[mx.array]] | None = None
+    token_ids: list[int] = field(default_factory=list)  # non-special emissions, for the transcript
+    text: str = ""  # the transcript: `joined` stripped
+    joined: str = ""  # pieces joined so far, kept so each frame costs only its own pieces
+
+    def __post_init__(self) -> None:
+        if self.last_token < 0:
+            self.last_token = self.blank
+
+
+@dataclass
+class RNNT:
+    prediction: PredictionNetwork
+    joint: JointNetwork
+    vocabulary: list[str]
+    blank: int
+    max_symbols: int
+
+    def new_state(self) -> RNNTState:
+        return RNNTState(self.blank)
+
+    def decode_frame(self, state: RNNTState, frame: mx.array) -> list[int]:
+        """frame: (1, 1, d_model) encoder output. Advances `state`; returns every id emitted on this frame
+        (specials included, blanks not); at most `max_symbols`."""
+        enc_proj = self.joint.enc(frame)
+        emitted: list[int] = []
+        while len(emitted) < self.max_symbols:
+            token = None if state.last_token == self.blank else state.last_token
+            pred, proposed = self.prediction(token, state.lstm)
+            logits = self.joint(enc_proj, pred.astype(frame.dtype))
+            best = int(mx.argmax(logits))
+            if best == self.blank:
+                break
+            state.last_token = best
+            state.lstm = ([h.astype(frame.dtype) for h in proposed[0]], [c.astype(frame.dtype) for c in proposed[1]])
+            emitted.append(best)
+            if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
+                state.token_ids.append(best)
+        return emitted
+
+    def transcript_update(self, state: RNNTState, frame: mx.array) -> tuple[list[int], str]:
+        """Decode one frame and refresh `state.text`; returns (ids emitted, text delta). The delta is the new
+        suffix when the text grows, else the whole new text (the cumulative text is authoritative)."""
+        before = len(state.token_ids)
+        emitted = self.decode_frame(state, frame)
+        if len(state.token_ids) == before:
+            return emitted, ""
+        state.joined += _join(state.token_ids[before:], self.vocabulary)
+        text = state.joined.strip()
+        delta = text[len(state.text) :] if text.startswith(state.text) else text
+        state.text = text
+        return emitted, delta

@@ -1,0 +1,104 @@
+"""The perception gRPC servicer: protobuf in, engine calls on the engine thread, protobuf out.
+
+Bad input raises ValueError, which the shared interceptor turns into INVALID_ARGUMENT with the message.
+A Stream's session lives exactly as long as its stream: its state is a local of the handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
+from services.common.engine_thread import EngineThread
+from services.common.errors import ServiceUnavailable
+from services.common.server import Registration, full_service_name
+from services.common.tensors import from_proto_np, to_proto
+from services.perception.engine import PerceptionEngine, PerceptionStream
+
+SERVICE_NAME = full_service_name(perception_pb2, "PerceptionService")
+
+
+class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
+    def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None):
+        self.engine_thread = engine_thread
+        self._engine = engine
+
+    async def load(self, model_dir: str | Path) -> None:
+        """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
+        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir)
+
+    @property
+    def engine(self) -> PerceptionEngine:
+        if self._engine is None:
+            raise ServiceUnavailable("the perception model is not loaded yet")
+        return self._engine
+
+    def _check_rate(self, sample_rate_hz: int) -> None:
+        expected = self.engine.sample_rate
+        if sample_rate_hz != expected:
+            raise ValueError(f"sample_rate_hz must be {expected}, got {sample_rate_hz}; resample the audio first")
+
+    async def Encode(self, request: perception_pb2.EncodeRequest, context) -> perception_pb2.EncodeResponse:
+        self._check_rate(request.sample_rate_hz)
+        if not request.HasField("waveform"):
+            raise ValueError("EncodeRequest.waveform is missing")
+        return await self.engine_thread.run(_encode, self.engine, from_proto_np(request.waveform))
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[perception_pb2.PerceptionStreamRequest], context
+    ) -> AsyncIterator[perception_pb2.PerceptionStreamResponse]:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "open":
+            kind = "nothing" if first is None else (first.WhichOneof("payload") or "an empty message")
+            raise ValueError(f"the first Stream message must be `open`, got {kind}")
+        self._check_rate(first.open.sample_rate_hz)
+        engine = self.engine
+        stream = await self.engine_thread.run(engine.open_stream)
+        yield perception_pb2.PerceptionStreamResponse(
+            opened=perception_pb2.PerceptionOpened(frame_samples=engine.frame_samples,
+                                                   embedding_dim=engine.embedding_dim)
+        )
+        async for request in request_iterator:
+            if request.WhichOneof("payload") != "frame":
+                raise ValueError(f"after `open` every Stream message must be `frame`, got "
+                                 f"{request.WhichOneof('payload') or 'an empty message'}")
+            frame = request.frame
+            if frame.frame_index != stream.frame_index:
+                raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
+            if not frame.HasField("samples"):
+                raise ValueError(f"frame {frame.frame_index} has no samples")
+            yield await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+
+
+# These run on the engine thread: reading an MLX array's bytes evaluates it, which must happen there.
+def _encode(engine: PerceptionEngine, waveform: np.ndarray) -> perception_pb2.EncodeResponse:
+    result = engine.encode(waveform)
+    return perception_pb2.EncodeResponse(
+        mel=to_proto(result.mel),
+        encoder_output=to_proto(result.encoder_out),
+        audio_embeds=to_proto(result.audio_embeds),
+        transcript=result.transcript,
+        transcript_token_ids=result.token_ids,
+        frames=result.encoder_out.shape[0],
+    )
+
+
+def _push(stream: PerceptionStream, samples: np.ndarray) -> perception_pb2.PerceptionStreamResponse:
+    out = stream.push(samples)
+    return perception_pb2.PerceptionStreamResponse(
+        frame=perception_pb2.PerceptionFrame(
+            frame_index=out.frame_index,
+            audio_embedding=to_proto(out.audio_embedding),
+            encoder_output=to_proto(out.encoder_out),
+            transcript_delta=out.transcript_delta,
+            transcript=out.transcript,
+            token_ids=out.token_ids,
+        )
+    )
+
+
+def registrations(servicer: PerceptionServicer) -> list[Registration]:
+    return [(perception_pb2_grpc.add_PerceptionServiceServicer_to_server, servicer)]

@@ -1,0 +1,71 @@
+"""Cache-aware streaming encoder state: one per session, holding every cache the conformer needs.
+
+Per push of mel frames it re-runs the causal subsampling stack over a short mel window (the retained mel
+cache plus the new frames), keeps the encoder frames not yet emitted, and runs them through the layers with
+the per-layer attention cache (last `left_context` attention inputs) and conv cache (last `kernel - 1` GLU
+outputs). The subsampling window starts at zeros rather than the true history, which is why the streamed
+frames drift slightly from the whole-utterance encoder; the reference streams the same way.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from services.perception.conformer import Conformer
+
+# Mel frames kept for the subsampling window; covers the causal receptive field of the 8x stride stack.
+SUBSAMPLING_MEL_CACHE = 16
+
+
+class EncoderStream:
+    """Streaming conformer state; `push(mel)` returns the encoder frames that became available."""
+
+    def __init__(self, encoder: Conformer, chunk_frames: int = 1):
+        cfg = encoder.cfg
+        self.encoder = encoder
+        self.factor = cfg.subsampling_factor
+        self.chunk_mel = chunk_frames * self.factor
+        d = cfg.d_model
+        self.attn_caches = [mx.zeros((1, 0, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
+        self.conv_caches = [mx.zeros((1, cfg.conv_kernel_size - 1, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
+        self.mel_cache: mx.array | None = None  # (1, n, n_mels)
+        self.pending: mx.array | None = None
+        self.consumed = 0  # mel frames pushed through the subsampler
+        self.emitted = 0  # encoder frames produced
+
+    def push(self, mel: mx.array) -> list[mx.array]:
+        """mel: (1, k, n_mels) -> list of (1, c, d_model) encoder chunks. The last, possibly short, chunk of
+        the push is encoded up to the subsampler's right edge (the caller's frames align with it)."""
+        if mel.shape[1]:
+            self.pending = mel if self.pending is None else mx.concatenate([self.pending, mel], axis=1)
+        out = []
+        while self.pending is not None and self.pending.shape[1] > 0:
+            take = min(self.chunk_mel, self.pending.shape[1])
+            chunk, self.pending = self.pending[:, :take], self.pending[:, take:]
+            encoded = self._encode(chunk, to_edge=self.pending.shape[1] == 0)
+            if encoded is not None:
+                out.append(encoded)
+        return out
+
+    def _encode(self, mel: mx.array, to_edge: bool) -> mx.array | None:
+        cached = 0 if self.mel_cache is None else self.mel_cache.shape[1]
+        window = mel if self.mel_cache is None else mx.concatenate([self.mel_cache, mel], axis=1)
+        sub = self.encoder.pre_encode(window)
+        end = self.consumed + mel.shape[1]
+        base = (self.consumed - cached) // self.factor  # encoder index of sub[:, 0]
+        lo = self.emitted - base
+        hi = sub.shape[1] if to_edge else end // self.factor - base
+        self.consumed = end
+        # keep the window start on the subsampling grid
+        keep = SUBSAMPLING_MEL_CACHE + (end - SUBSAMPLING_MEL_CACHE) % self.factor
+        self.mel_cache = window[:, -keep:]
+        if hi <= lo:
+            self.emitted = base + max(lo, hi)
+            return None
+        self.emitted = base + hi
+        h, self.attn_caches, self.conv_caches = self.encoder.step(sub[:, lo:hi], self.attn_caches, self.conv_caches)
+        return h
+
+    def arrays(self) -> list[mx.array]:
+        """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames."""
+        return [a for a in (self.mel_cache, *self.attn_caches, *self.conv_caches) if a is not None]

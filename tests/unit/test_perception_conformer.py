@@ -1,0 +1,98 @@
+"""FastConformer pieces on hand-checkable cases, and the streaming door against the whole-sequence door."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.config import EncoderConfig
+from services.perception.conformer import chunked_limited_mask, rel_positions, rel_shift, subsampled_length
+from services.perception.engine import PerceptionEngine
+from services.perception.streaming import EncoderStream
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return PerceptionEngine.load(tiny_checkpoint)
+
+
+def test_subsampled_length_of_128_mel_frames_is_17():
+    # The issue (and spec) say 16; the reference's formula floor(n / 2) + 1 per stride-2 step gives 65, 33, 17.
+    assert subsampled_length(128, 3) == 17
+    assert [subsampled_length(n, 1) for n in (1, 2, 3, 128)] == [1, 2, 2, 65]
+    assert subsampled_length(1, 3) == 1 and subsampled_length(9, 3) == 2 and subsampled_length(516, 3) == 66
+    assert EncoderConfig().subsampled_features == 17  # the frequency axis follows the same rule
+
+
+def test_subsampling_output_shape_follows_the_length_rule(engine):
+    cfg = engine.encoder.cfg
+    out = engine.encoder.pre_encode(mx.zeros((1, 128, cfg.feat_in)))
+    assert out.shape == (1, 17, cfg.d_model)
+
+
+def test_mask_allows_exactly_self_and_the_left_context():
+    m = np.array(chunked_limited_mask(4, 2, 0))
+    allowed = m == 0
+    assert allowed.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [False, True, True, True],
+    ]
+    assert np.all(m[~allowed] == -1e30)
+    m = np.array(chunked_limited_mask(100, 70, 0))
+    i, j = np.indices(m.shape)
+    np.testing.assert_array_equal(m == 0, (j <= i) & (j >= i - 70))
+
+
+def test_rel_shift_on_a_hand_indexed_example():
+    # x[i, p] = 10 i + p over positions p = 0..4 meaning relative offsets +2 .. -2; query i vs key j sits at
+    # p = 2 - (i - j), so the first three columns must read 10 i + 2 - i + j.
+    x = mx.array([[[[10 * i + p for p in range(5)] for i in range(3)]]], dtype=mx.float32)
+    out = np.array(rel_shift(x))[0, 0, :, :3]
+    assert out.tolist() == [[2, 3, 4], [11, 12, 13], [20, 21, 22]]
+
+
+def test_rel_positions_centre_row_is_position_zero():
+    pe = np.array(rel_positions(4, 8))
+    assert pe.shape == (1, 7, 8)
+    np.testing.assert_array_equal(pe[0, 3], [0, 1] * 4)  # sin(0), cos(0)
+    np.testing.assert_allclose(pe[0, 0, 0], np.sin(3.0), atol=1e-6)  # first row: position +3, channel 0
+    np.testing.assert_allclose(pe[0, 6, 0], np.sin(-3.0), atol=1e-6)
+
+
+def test_block_step_with_caches_equals_the_masked_whole_sequence(engine):
+    """The streaming door of every layer, one frame at a time, reproduces the whole-sequence door."""
+    enc = engine.encoder
+    cfg = enc.cfg
+    length = cfg.left_context + 8  # long enough that the window slides
+    x = mx.array(np.random.default_rng(0).standard_normal((1, length, cfg.d_model)).astype(np.float32))
+    pos = rel_positions(length, cfg.d_model)
+    mask = chunked_limited_mask(length, cfg.left_context, cfg.right_context)
+    whole = x
+    for layer in enc.layers:
+        whole = layer(whole, pos, mask, cfg.conv_padding)
+    attn = [mx.zeros((1, 0, cfg.d_model))] * cfg.n_layers
+    conv = [mx.zeros((1, cfg.conv_kernel_size - 1, cfg.d_model))] * cfg.n_layers
+    steps = []
+    for t in range(length):
+        h, attn, conv = enc.step(x[:, t : t + 1], attn, conv)
+        steps.append(np.array(h[0, 0]))
+        assert attn[0].shape[1] == min(t + 1, cfg.left_context)
+    np.testing.assert_allclose(np.stack(steps), np.array(whole[0]), rtol=0, atol=1e-4)
+
+
+def test_encoder_stream_gives_one_frame_per_80ms_and_tracks_the_offline_encoder(engine):
+    cfg = engine.encoder.cfg
+    mel = mx.array(np.random.default_rng(1).standard_normal((1, 1 + 8 * 12, cfg.feat_in)).astype(np.float32))
+    offline = np.array(engine.encoder(mel)[0])
+    stream = EncoderStream(engine.encoder)
+    frames = []
+    for lo, hi in [(0, 1)] + [(1 + 8 * k, 9 + 8 * k) for k in range(12)]:
+        chunks = stream.push(mel[:, lo:hi])
+        assert [c.shape[1] for c in chunks] == [1]
+        frames.append(np.array(chunks[0][0, 0]))
+    assert offline.shape[0] == len(frames) == 13
+    # identical context for the first frames; later the zero-started subsampling window drifts a little
+    np.testing.assert_allclose(frames[0], offline[0], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.stack(frames), offline, rtol=0, atol=0.1)
+    assert len(stream.arrays()) == 1 + 2 * cfg.n_layers

@@ -1,0 +1,91 @@
+"""RNNT greedy decoding on hand-built joints: blank-only frames, the max_symbols cap, special pieces, deltas."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.layers import Embedding, Linear
+from services.perception.rnnt import (
+    RNNT,
+    JointNetwork,
+    LSTMLayer,
+    PredictionNetwork,
+    is_special_piece,
+    pieces_to_text,
+)
+
+H = 4
+VOCAB = ["<unk>", "<en-US>", "\u2581hel", "lo", "\u2581world", "<pad>"]
+BLANK = len(VOCAB)
+
+
+def _rnnt(favoured: int | None = None, sequence: list[int] | None = None, max_symbols: int = 3) -> RNNT:
+    """A joint whose logits ignore its inputs: always `favoured`, or blank when None."""
+    rng = np.random.default_rng(0)
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * 0.3)
+
+    layers = [LSTMLayer(arr(4 * H, H), arr(4 * H, H), arr(4 * H)) for _ in range(2)]
+    prediction = PredictionNetwork(Embedding(arr(BLANK + 1, H)), layers, H)
+    bias = np.zeros(BLANK + 1, np.float32)
+    bias[BLANK if favoured is None else favoured] = 10.0
+    out = Linear(mx.zeros((BLANK + 1, H)), mx.array(bias))
+    joint = JointNetwork(Linear(arr(H, H), arr(H)), Linear(arr(H, H), arr(H)), out)
+    return RNNT(prediction, joint, VOCAB, BLANK, max_symbols)
+
+
+FRAME = mx.ones((1, 1, H))
+
+
+def test_blank_only_frames_emit_nothing_and_leave_the_state_alone():
+    rnnt = _rnnt(favoured=None)
+    state = rnnt.new_state()
+    for _ in range(3):
+        assert rnnt.transcript_update(state, FRAME) == ([], "")
+    assert state.last_token == BLANK and state.lstm is None and state.token_ids == [] and state.text == ""
+
+
+def test_max_symbols_bounds_the_loop():
+    rnnt = _rnnt(favoured=2, max_symbols=3)
+    state = rnnt.new_state()
+    emitted, delta = rnnt.transcript_update(state, FRAME)
+    assert emitted == [2, 2, 2]
+    assert delta == "hel hel hel" and state.text == "hel hel hel"
+    assert state.last_token == 2 and state.lstm is not None
+    emitted, delta = rnnt.transcript_update(state, FRAME)
+    assert emitted == [2, 2, 2] and delta == " hel hel hel"
+
+
+def test_special_pieces_advance_the_predictor_but_not_the_text():
+    rnnt = _rnnt(favoured=1, max_symbols=2)  # <en-US>
+    state = rnnt.new_state()
+    assert rnnt.transcript_update(state, FRAME) == ([1, 1], "")
+    assert state.last_token == 1 and state.lstm is not None and state.token_ids == []
+
+
+def test_pieces_map_word_start_to_space_and_drop_specials():
+    assert pieces_to_text([1, 2, 3, 0, 4, 5], VOCAB) == "hello world"
+    assert pieces_to_text([99], VOCAB) == ""
+    assert is_special_piece("<fr-FR>") and is_special_piece("</s>") and not is_special_piece("<b>")
+
+
+def test_lstm_layer_matches_the_gate_equations():
+    rng = np.random.default_rng(3)
+    wx, wh, b = (rng.standard_normal(s).astype(np.float32) for s in ((8, 3), (8, 2), (8,)))
+    x, h, c = (rng.standard_normal(s).astype(np.float32) for s in ((1, 3), (1, 2), (1, 2)))
+    h2, c2 = LSTMLayer(mx.array(wx), mx.array(wh), mx.array(b))(mx.array(x), mx.array(h), mx.array(c))
+    g = x @ wx.T + h @ wh.T + b
+    sig = 1 / (1 + np.exp(-g))
+    i, f, gg, o = sig[:, :2], sig[:, 2:4], np.tanh(g[:, 4:6]), sig[:, 6:]
+    c_ref = f * c + i * gg
+    np.testing.assert_allclose(np.array(c2), c_ref, atol=1e-5)
+    np.testing.assert_allclose(np.array(h2), o * np.tanh(c_ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("token", [None, 3])
+def test_prediction_output_is_the_top_layer_hidden(token):
+    rnnt = _rnnt()
+    out, (hs, cs) = rnnt.prediction(token, None)
+    assert out.shape == (1, 1, H) and len(hs) == len(cs) == 2
+    np.testing.assert_array_equal(np.array(out[0]), np.array(hs[-1]))
