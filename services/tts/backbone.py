@@ -1,0 +1,221 @@
+"""The Gemma-3-style EAR-TTS backbone, run on injected embeddings, with its per-session caches.
+
+Layer i is global when (i + 1) % pattern == 0 (full cache, RoPE base `rope_global_base_freq`), otherwise
+sliding (a rotating cache of `sliding_window` keys, RoPE base `rope_local_base_freq`). Inputs are NOT scaled
+by sqrt(hidden). Caches keep keys in the same physical order as the reference's, since the attention sum
+over keys is order-sensitive in the last bit:
+
+    caches = backbone.make_caches()
+    h = backbone(x, caches)          # x: (B, T, D) float32 -> (B, T, D)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from services.common.checkpoint import Weights
+from services.common.config import TTSConfig
+from services.common.layers import Linear
+from services.tts.blocks import GatedMLP, GemmaRMSNorm
+
+_GROW = 256  # cache growth step, as the reference's caches allocate
+
+
+class FullCache:
+    """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        if self.keys is None or self.offset + n > self.keys.shape[2]:
+            b, h, _, d = keys.shape
+            size = (_GROW + n - 1) // _GROW * _GROW
+            grow_k = mx.zeros((b, h, size, d), keys.dtype)
+            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = grow_k, grow_v
+            else:
+                self.keys = mx.concatenate([self.keys[..., : self.offset, :], grow_k], axis=2)
+                self.values = mx.concatenate([self.values[..., : self.offset, :], grow_v], axis=2)
+        self.keys[..., self.offset : self.offset + n, :] = keys
+        self.values[..., self.offset : self.offset + n, :] = values
+        self.offset += n
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def mask(self, n: int) -> str | None:
+        return "causal" if n > 1 else None
+
+
+class RingCache:
+    """The last `window` keys: a multi-token update appends in time order; single tokens overwrite a ring.
+
+    Mirrors the reference's rotating cache layout exactly (slot order decides the attention sum's order).
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.slot = 0  # next write position in the buffer
+
+    def _in_time_order(self, v: mx.array) -> mx.array:
+        if self.slot == v.shape[2]:
+            return v
+        if self.slot < self.offset:
+            return mx.concatenate([v[..., self.slot :, :], v[..., : self.slot, :]], axis=2)
+        return v[..., : self.slot, :]
+
+    def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys, self.values = self._in_time_order(self.keys), self._in_time_order(self.values)
+            drop = max(self.keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
+            self.keys = mx.concatenate([self.keys[..., drop:, :], keys], axis=2)
+            self.values = mx.concatenate([self.values[..., drop:, :], values], axis=2)
+        self.offset += keys.shape[2]
+        self.slot = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.window):
+            b, h, _, d = keys.shape
+            size = min(_GROW, self.window - prev)
+            grow_k = mx.zeros((b, h, size, d), keys.dtype)
+            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = grow_k, grow_v
+            else:
+                self.keys = mx.concatenate([self.keys, grow_k], axis=2)
+                self.values = mx.concatenate([self.values, grow_v], axis=2)
+            self.slot = prev
+        excess = self.keys.shape[2] - self.window
+        if excess > 0:  # after a long multi-token append: keep the newest `window` keys
+            self.keys, self.values = self.keys[..., excess:, :], self.values[..., excess:, :]
+            self.slot = self.window
+        if self.slot == self.window:
+            self.slot = 0
+        self.keys[..., self.slot : self.slot + 1, :] = keys
+        self.values[..., self.slot : self.slot + 1, :] = values
+        self.offset += 1
+        self.slot += 1
+        if self.offset < self.window:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] == 1:
+            return self._write_one(keys, values)
+        return self._append(keys, values)
+
+    def mask(self, n: int) -> str | mx.array | None:
+        """Mask for n new queries, taken before the update (a single query sees the whole ring)."""
+        if n == 1:
+            return None
+        offset = min(self.window - 1, self.offset)
+        if offset + n <= self.window:
+            return "causal"
+        rows = mx.arange(offset, offset + n)[:, None]
+        cols = mx.arange(offset + n)[None]
+        return (rows >= cols) & (rows < cols + self.window)
+
+
+@dataclass
+class Attention:
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: GemmaRMSNorm
+    k_norm: GemmaRMSNorm
+    n_heads: int
+    n_kv_heads: int
+    scale: float
+    rope_base: float
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.q_norm(q), self.k_norm(k)
+        dims = q.shape[-1]
+        q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=cache.offset)
+        k = mx.fast.rope(k, dims, traditional=False, base=self.rope_base, scale=1.0, offset=cache.offset)
+        k, v = cache.update(k, v)
+        if isinstance(mask, mx.array) and mask.shape[-1] != k.shape[2]:
+            mask = mask[..., -k.shape[2] :]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+@dataclass
+class Block:
+    self_attn: Attention
+    mlp: GatedMLP
+    input_layernorm: GemmaRMSNorm
+    post_attention_layernorm: GemmaRMSNorm
+    pre_feedforward_layernorm: GemmaRMSNorm
+    post_feedforward_layernorm: GemmaRMSNorm
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+@dataclass
+class Gemma3Backbone:
+    """28 blocks (config-sized) + final norm over injected embeddings; no token embedding, no head."""
+
+    layers: list[Block]
+    norm: GemmaRMSNorm
+    config: TTSConfig
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, config: TTSConfig) -> Gemma3Backbone:
+        eps = config.rms_norm_eps
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"{path}.layers.{i}"
+
+            def norm(name: str, p: str = p) -> GemmaRMSNorm:
+                return GemmaRMSNorm.from_weights(weights, f"{p}.{name}", eps)
+
+            attn = Attention(
+                *(Linear.from_weights(weights, f"{p}.self_attn.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                q_norm=norm("self_attn.q_norm"),
+                k_norm=norm("self_attn.k_norm"),
+                n_heads=config.num_attention_heads,
+                n_kv_heads=config.num_key_value_heads,
+                scale=config.query_pre_attn_scalar**-0.5,
+                rope_base=config.rope_global_base_freq if config.is_global_layer(i) else config.rope_local_base_freq,
+            )
+            layers.append(Block(attn, GatedMLP.from_weights(weights, f"{p}.mlp"), norm("input_layernorm"),
+                                norm("post_attention_layernorm"), norm("pre_feedforward_layernorm"),
+                                norm("post_feedforward_layernorm")))
+        return cls(layers, GemmaRMSNorm.from_weights(weights, f"{path}.norm", eps), config)
+
+    def make_caches(self) -> list[FullCache | RingCache]:
+        """One cache per layer: full for global layers, a ring of `sliding_window` keys for the others."""
+        return [FullCache() if self.config.is_global_layer(i) else RingCache(self.config.sliding_window)
+                for i in range(len(self.layers))]
+
+    def __call__(self, x: mx.array, caches: list[FullCache | RingCache]) -> mx.array:
+        """x: (B, T, D) embeddings -> (B, T, D) normed hidden states; advances every cache by T."""
+        n = x.shape[1]
+        masks = {}  # one mask per cache kind, computed before any cache advances
+        for i, cache in enumerate(caches):
+            kind = self.config.is_global_layer(i)
+            if kind not in masks:
+                masks[kind] = cache.mask(n)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            x = layer(x, masks[self.config.is_global_layer(i)], cache)
+        return self.norm(x)

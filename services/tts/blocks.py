@@ -1,0 +1,65 @@
+"""Small building blocks shared by the EAR-TTS networks: the two offset RMSNorms and the gated MLP.
+
+Two norms on purpose: the Gemma-3 backbone adds one to its weight in the weight's own dtype (bf16), while
+the subword encoder, fusion and MoG head run the norm in float32 and cast back:
+
+    >>> OffsetRMSNorm(mx.zeros((4,)), 1e-6)(mx.ones((1, 4)))  # weight 0 means scale 1
+    array([[1, 1, 1, 1]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from services.common.checkpoint import Weights
+from services.common.layers import Linear
+
+
+@dataclass
+class GemmaRMSNorm:
+    """rms_norm(x) * (1 + w), with 1 + w computed in the weight's dtype; x: (..., D)."""
+
+    weight: mx.array
+    eps: float
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, eps: float) -> GemmaRMSNorm:
+        return cls(weights.get(f"{path}.weight"), eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+@dataclass
+class OffsetRMSNorm:
+    """rms_norm(x) * (1 + w) computed in float32, returned in x's dtype; x: (..., D)."""
+
+    weight: mx.array
+    eps: float
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, eps: float) -> OffsetRMSNorm:
+        return cls(weights.get(f"{path}.weight"), eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps)
+        return out.astype(x.dtype)
+
+
+@dataclass
+class GatedMLP:
+    """down(gelu_tanh(gate(x)) * up(x)); x: (..., D) -> (..., D)."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str) -> GatedMLP:
+        return cls(*(Linear.from_weights(weights, f"{path}.{name}") for name in ("gate_proj", "up_proj", "down_proj")))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,134 @@
+"""The TTS engine: EAR-TTS weights plus per-session state objects. No gRPC here; all calls on one thread.
+
+    engine = TTSEngine.load(model_dir)
+    session = engine.open_session(seed=0, prompt_codes=codes, prefix_steps=0)   # codes: (37, 31) int32
+    raw, clean = session.step(text_id)                                          # each (31,) int32
+
+The prompt codes are the codec's encoding of (frames + 1) * 1764 zero samples with frames 0 and frames - 1
+set to the mask index, last frame dropped; the orchestrator gets them from the codec service.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tokenizers import Tokenizer
+
+from services.common.checkpoint import Checkpoint
+from services.common.config import VoiceChatConfig
+from services.tts.backbone import FullCache, RingCache
+from services.tts.model import EarTts
+from services.tts.rng import SessionKey
+from services.tts.subword import CharTable
+
+TTS_PREFIXES = ("tts_model.tts_model.", "tts_model.audio_prompt_latents.", "tts_model.codec_silence_tokens",
+                "tts_model._control_codes")
+
+
+def load_vocabulary(model_dir: Path) -> dict[str, int]:
+    """token -> id of the checkpoint's tokenizer.json, added tokens included."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; the TTS character table is built from the tokenizer vocabulary")
+    return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+
+
+@dataclass
+class TTSEngine:
+    config: VoiceChatConfig
+    model: EarTts
+    table: CharTable
+    prompt_latent: mx.array  # (1, P, D)
+    silence_codes: mx.array  # (Q,) int32
+    control_codes: mx.array  # (3,) int32
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> TTSEngine:
+        checkpoint = Checkpoint(model_dir)
+        try:
+            config = checkpoint.config
+            weights = checkpoint.load(TTS_PREFIXES)
+            tts = config.tts_config
+            model = EarTts.from_weights(weights, "tts_model.tts_model", tts)
+            latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
+            if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
+                raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "
+                                 f"expected (1, frames, {tts.hidden_size})")
+            engine = cls(
+                config=config,
+                model=model,
+                table=CharTable.from_vocabulary(load_vocabulary(model_dir),
+                                                model.embed_subword.embed_tokens.num_embeddings),
+                prompt_latent=latent,
+                silence_codes=weights.get("tts_model.codec_silence_tokens", (tts.num_quantizers,)).astype(mx.int32),
+                control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
+            )
+            mx.eval(weights.arrays, model.code_table, model.code_norms)
+            return engine
+        finally:
+            checkpoint.close()
+
+    @property
+    def prompt_frames(self) -> int:
+        return self.prompt_latent.shape[1]
+
+    @property
+    def num_quantizers(self) -> int:
+        return self.config.tts_config.num_quantizers
+
+    def check_text_id(self, text_id: int) -> None:
+        vocab = self.config.text_config.vocab_size
+        if not 0 <= text_id < vocab:
+            raise ValueError(f"text id {text_id} is outside the text vocabulary [0, {vocab})")
+
+    def clean(self, codes: mx.array) -> mx.array:
+        """codes: (..., Q) with every control code replaced by that codebook's silence code."""
+        control = (codes[..., None] == self.control_codes).any(axis=-1)
+        return mx.where(control, mx.broadcast_to(self.silence_codes, codes.shape), codes)
+
+    def open_session(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int = 0) -> TTSSession:
+        """Warm up a new session on the speaker prompt, then run `prefix_steps` pad steps."""
+        return TTSSession(self, seed, prompt_codes, prefix_steps)
+
+
+class TTSSession:
+    """One stream's state: backbone caches, random key, the code fed back next step."""
+
+    def __init__(self, engine: TTSEngine, seed: int, prompt_codes: np.ndarray, prefix_steps: int):
+        q, frames = engine.num_quantizers, engine.prompt_frames
+        codes = np.asarray(prompt_codes)
+        if codes.shape != (frames, q):
+            raise ValueError(f"prompt_codes must have shape ({frames}, {q}), got {codes.shape}")
+        if codes.dtype.kind not in "iu":
+            raise ValueError(f"prompt_codes must be integer codes, got dtype {codes.dtype}")
+        mask = engine.config.tts_config.codebook_size
+        if codes.size and (codes.min() < 0 or codes.max() > mask):
+            raise ValueError(f"prompt_codes must lie in [0, {mask}] ({mask} = masked), got "
+                             f"[{codes.min()}, {codes.max()}]")
+        if prefix_steps < 0:
+            raise ValueError(f"prefix_steps must be >= 0, got {prefix_steps}")
+        self.engine = engine
+        self.rng = SessionKey(seed)
+        self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches()
+        prompt = mx.array(codes.astype(np.int32))[None]
+        engine.model.warmup(prompt, engine.prompt_latent, engine.config.pad_token_id, engine.table, self.caches)
+        self.previous = prompt[:, -1:]
+        self.steps = 0
+        for _ in range(prefix_steps):
+            self.step(engine.config.pad_token_id)
+
+    def step(self, text_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """One timeline position: text id in -> (raw codes, clean codes), each (Q,) int32."""
+        engine = self.engine
+        engine.check_text_id(text_id)
+        if text_id == engine.config.eos_token_id:
+            self.previous = engine.silence_codes[None, None, :]
+        codes = engine.model.step(self.previous, text_id, engine.table, self.caches, self.rng)
+        clean = engine.clean(codes)
+        mx.eval(codes, clean)
+        self.previous = codes
+        self.steps += 1
+        return np.array(codes[0, 0], dtype=np.int32), np.array(clean[0, 0], dtype=np.int32)

@@ -1,0 +1,162 @@
+"""EAR-TTS: code embedding, gated audio/text fusion with classifier-free guidance, warm-up, per-step codes.
+
+All functions of weights and inputs; the per-session state (caches, key, previous code) lives in the caller:
+
+    caches = tts.backbone.make_caches()
+    tts.warmup(prompt_codes, prompt_latent, pad_id, table, caches)        # prompt_codes: (1, P, Q)
+    codes = tts.step(previous_code, text_id, table, caches, rng)          # (1, 1, Q) -> (1, 1, Q)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from services.common.checkpoint import Weights
+from services.common.config import TTSConfig
+from services.common.layers import Linear
+from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
+from services.tts.blocks import OffsetRMSNorm
+from services.tts.mog import MoGHead
+from services.tts.rng import SessionKey
+from services.tts.subword import CharAwareSubwordEncoder, CharTable
+
+Caches = list[FullCache | RingCache]
+
+
+def mask_schedule(num_quantizers: int, iterations: int, exponent: float) -> list[int]:
+    """Codebooks filled per iteration: masked_i = ceil((1 - (i/n)^e)^(1/e) * Q), counts = masked_i - masked_i+1.
+
+    >>> mask_schedule(31, 8, 3.0)
+    [0, 0, 0, 1, 1, 3, 4, 22]
+    """
+    masked = [math.ceil(((1.0 - (i / iterations) ** exponent) ** (1.0 / exponent)) * num_quantizers)
+              for i in range(iterations)]
+    return [masked[i] - (masked[i + 1] if i + 1 < iterations else 0) for i in range(iterations)]
+
+
+@dataclass
+class GatedFusion:
+    """final_norm(sigmoid(s) * (g * audio_proj(audio / Q) + (1 - g) * text_proj(text))), g = sigmoid(gate)."""
+
+    audio_proj: Linear
+    text_proj: Linear
+    gate: mx.array
+    residual_scale: mx.array
+    final_norm: OffsetRMSNorm
+    num_codebooks: int
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, num_codebooks: int, eps: float) -> GatedFusion:
+        return cls(Linear.from_weights(weights, f"{path}.audio_proj"),
+                   Linear.from_weights(weights, f"{path}.text_proj"),
+                   weights.get(f"{path}.gate"), weights.get(f"{path}.residual_scale"),
+                   OffsetRMSNorm.from_weights(weights, f"{path}.final_norm", eps), num_codebooks)
+
+    def __call__(self, audio: mx.array, text: mx.array) -> mx.array:
+        """audio, text: (B, T, D) -> (B, T, D)."""
+        audio = self.audio_proj(audio / self.num_codebooks)
+        text = self.text_proj(text)
+        gate = mx.sigmoid(self.gate).astype(audio.dtype)
+        scale = mx.sigmoid(self.residual_scale).astype(audio.dtype)
+        return self.final_norm(scale * (gate * audio + (1.0 - gate) * text))
+
+
+@dataclass
+class EarTts:
+    config: TTSConfig
+    backbone: Gemma3Backbone
+    embed_code: Linear
+    embed_subword: CharAwareSubwordEncoder
+    fusion: GatedFusion
+    mog_head: MoGHead
+    rvq_embs: mx.array  # (Q, K, latent)
+    code_table: mx.array  # (Q, K + 1, latent): rvq_embs with a zero row at the mask index K
+    code_norms: mx.array  # (Q, K): ||e||^2 of every codebook row, in the codebooks' dtype
+    bos_emb: mx.array
+    null_emb: mx.array
+
+    @classmethod
+    def from_weights(cls, weights: Weights, path: str, config: TTSConfig) -> EarTts:
+        q, k, latent = config.num_quantizers, config.codebook_size, config.latent_size
+        rvq = weights.get(f"{path}.rvq_embs", (q, k, latent))
+        table = mx.concatenate([rvq, mx.zeros((q, 1, latent), dtype=rvq.dtype)], axis=1)
+        return cls(
+            config=config,
+            backbone=Gemma3Backbone.from_weights(weights, f"{path}.backbone", config),
+            embed_code=Linear.from_weights(weights, f"{path}.embed_code"),
+            embed_subword=CharAwareSubwordEncoder.from_weights(weights, f"{path}.embed_subword",
+                                                               config.character_encoder),
+            fusion=GatedFusion.from_weights(weights, f"{path}.gated_fusion_audio_text", q, config.rms_norm_eps),
+            mog_head=MoGHead.from_weights(weights, f"{path}.mog_head", config.mog_head),
+            rvq_embs=rvq,
+            code_table=table,
+            code_norms=mx.sum(rvq * rvq, axis=-1),
+            bos_emb=weights.get(f"{path}.bos_emb", (config.hidden_size,)),
+            null_emb=weights.get(f"{path}.null_emb", (config.hidden_size,)),
+        )
+
+    def depth_sum(self, codes: mx.array) -> mx.array:
+        """codes: (..., Q) int with K = mask -> (..., latent) float32 sum of each codebook's row (mask adds 0)."""
+        out = mx.zeros((*codes.shape[:-1], self.config.latent_size))
+        for q in range(self.config.num_quantizers):
+            out = out + self.code_table[q, codes[..., q]]
+        return out
+
+    def embed_codes(self, codes: mx.array) -> mx.array:
+        return self.embed_code(self.depth_sum(codes))
+
+    def _fuse_guided(self, code_embed: mx.array, ids: mx.array, mask: mx.array, table: CharTable) -> mx.array:
+        """Batch 2 for guidance: row 0 conditioned on the text, row 1 on the null embedding."""
+        cond = self.embed_subword(ids, mask, table)
+        null = mx.broadcast_to(self.null_emb, cond.shape).astype(cond.dtype)
+        text = mx.concatenate([cond, null], axis=0)
+        return self.fusion(mx.concatenate([code_embed, code_embed], axis=0), text)
+
+    def warmup(self, prompt_codes: mx.array, prompt_latent: mx.array, pad_id: int, table: CharTable,
+               caches: Caches) -> None:
+        """Fill the caches with the speaker prompt. prompt_codes: (1, P, Q); prompt_latent: (1, P, D).
+
+        The audio channel starts at the last prompt frame (its BOS); before it the prompt latents stand in
+        for code embeddings. Text is conditioned only on the last two frames (pad ids).
+        """
+        _, frames, _ = prompt_codes.shape
+        shifted = mx.concatenate([mx.zeros_like(prompt_codes[:, :1]), prompt_codes[:, :-1]], axis=1)
+        code_embed = self.embed_codes(shifted)
+        position = mx.arange(frames)[None]
+        bos = position == frames - 1
+        code_embed = mx.where((position < frames - 1)[..., None], prompt_latent.astype(code_embed.dtype), code_embed)
+        code_embed = code_embed + bos[..., None] * self.bos_emb
+        ids = mx.full((1, frames), pad_id, mx.int32)
+        text_mask = position >= frames - 2
+        self.backbone(self._fuse_guided(code_embed, ids, text_mask, table), caches)
+
+    def step(self, previous_code: mx.array, text_id: int, table: CharTable, caches: Caches,
+             rng: SessionKey) -> mx.array:
+        """previous_code: (1, 1, Q) -> this frame's codes (1, 1, Q) int32; advances caches and rng."""
+        ids = mx.array([[text_id]], mx.int32)
+        inputs = self._fuse_guided(self.embed_codes(previous_code), ids, mx.ones(ids.shape, mx.bool_), table)
+        return self.generate_codes(self.backbone(inputs, caches), rng)
+
+    def generate_codes(self, hidden: mx.array, rng: SessionKey) -> mx.array:
+        """hidden: (2, T, D) cond/uncond -> codes (1, T, Q): masked iterative RVQ refinement."""
+        cfg = self.config
+        cond, uncond = hidden[:1], hidden[1:]
+        codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.int32) for _ in range(cfg.num_quantizers)]
+        done = 0
+        for count in mask_schedule(cfg.num_quantizers, cfg.num_iterations, cfg.exponent):
+            if count == 0:
+                continue
+            embedded = self.embed_codes(mx.stack(codes, axis=-1))
+            mu, logs = self.mog_head(mx.concatenate([embedded + cond, embedded + uncond], axis=0), rng,
+                                     guidance_scale=cfg.guidance_scale, top_p=cfg.top_p)
+            residual = mu + mx.exp(logs) * rng.normal(mu.shape) * cfg.noise_scale
+            for q in range(done, done + count):
+                book = self.rvq_embs[q]
+                distance = self.code_norms[q] - 2.0 * (residual @ book.T)
+                codes[q] = mx.argmin(distance, axis=-1)
+                residual = residual - book[codes[q]]
+            done += count
+        return mx.stack(codes, axis=-1).astype(mx.int32)

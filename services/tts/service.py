@@ -1,0 +1,62 @@
+"""The SpeechService servicer: one bidirectional stream per TTS session, all MLX work on the engine thread.
+
+Stream protocol: SpeechOpen (seed, prompt_codes (frames, 31) int32 from the codec service, prefix_steps)
+answered by SpeechOpened; then one SpeechStep per frame answered by SpeechStepResult (raw and clean codes).
+The stream's end drops the session and its caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
+from services.common.engine_thread import EngineThread
+from services.common.errors import ServiceUnavailable
+from services.common.server import full_service_name
+from services.common.tensors import from_proto_np, to_proto_np
+from services.tts.engine import TTSEngine
+
+SERVICE_NAME = full_service_name(speech_pb2, "SpeechService")
+
+
+class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
+    def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None):
+        self.engine_thread = engine_thread
+        self.engine = engine
+
+    async def load(self, model_dir: str | Path) -> None:
+        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[speech_pb2.SpeechStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[speech_pb2.SpeechStreamResponse]:
+        if self.engine is None:
+            raise ServiceUnavailable("the TTS model is still loading")
+        first = await anext(request_iterator, None)
+        if first is None:
+            return
+        if first.WhichOneof("payload") != "open":
+            raise ValueError("the first SpeechStream message must be `open` (SpeechOpen)")
+        opening = first.open
+        if not opening.HasField("prompt_codes"):
+            raise ValueError(f"SpeechOpen.prompt_codes is required: the codec's ({self.engine.prompt_frames}, "
+                             f"{self.engine.num_quantizers}) int32 warm-up codes")
+        session = await self.engine_thread.run(
+            self.engine.open_session, opening.seed, from_proto_np(opening.prompt_codes), opening.prefix_steps
+        )
+        yield speech_pb2.SpeechStreamResponse(opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
+        expected: int | None = None
+        async for request in request_iterator:
+            if request.WhichOneof("payload") != "step":
+                raise ValueError("after `open`, every SpeechStream message must be a `step`")
+            step = request.step
+            if step.frame_index < 0 or (expected is not None and step.frame_index != expected):
+                want = "a non-negative index" if expected is None else str(expected)
+                raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
+            raw, clean = await self.engine_thread.run(session.step, step.text_token_id)
+            expected = step.frame_index + 1
+            yield speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
+                frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
