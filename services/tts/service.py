@@ -30,6 +30,20 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     async def load(self, model_dir: str | Path) -> None:
         self.engine = await self.engine_thread.run(TTSEngine.load, model_dir)
 
+    async def Describe(
+        self, request: speech_pb2.SpeechDescribeRequest, context: grpc.aio.ServicerContext
+    ) -> speech_pb2.SpeechDescribeResponse:
+        if self.engine is None:
+            raise ServiceUnavailable("the TTS model is still loading")
+        engine = self.engine
+        return await self.engine_thread.run(lambda: speech_pb2.SpeechDescribeResponse(
+            prompt_frames=engine.prompt_frames,
+            num_quantizers=engine.num_quantizers,
+            codebook_size=engine.config.tts_config.codebook_size,
+            control_codes=[int(c) for c in engine.control_codes.tolist()],
+            silence_codes=[int(c) for c in engine.silence_codes.tolist()],
+        ))
+
     async def Stream(
         self, request_iterator: AsyncIterator[speech_pb2.SpeechStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[speech_pb2.SpeechStreamResponse]:

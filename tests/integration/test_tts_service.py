@@ -3,6 +3,7 @@ directly (and to the reference's goldens), interleaved sessions independent, bad
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,18 @@ def test_main_serves_health_and_stops_on_sigterm(tiny_checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_describe_reports_the_prompt_length_and_code_conventions(engine_and_goldens):
+    engine_thread, engine, goldens = engine_and_goldens
+    meta = json.loads(str(goldens["offline"]["meta"]))
+
+    async def run():
+        async with tts_server(engine_thread, engine) as (stub, _):
+            return await stub.Describe(speech_pb2.SpeechDescribeRequest())
+
+    reply = asyncio.run(run())
+    assert reply.prompt_frames == goldens["offline"]["prompt_codes"].shape[0] == 37
+    assert reply.num_quantizers == 31 and reply.codebook_size == engine.config.tts_config.codebook_size
+    assert list(reply.control_codes) == meta["control_codes"]
+    assert list(reply.silence_codes) == meta["codec_silence_tokens"]
