@@ -1,0 +1,182 @@
+"""The language engine: Nemotron-H weights, the tokenizer, and per-session timelines. No gRPC here.
+
+    >>> engine = LanguageEngine.load("/path/to/checkpoint")
+    >>> session = engine.open_session(system_prompt="Be concise.")   # prefills [bos] + prompt + [eos]
+    >>> out = session.step(audio)            # audio: (hidden,) float32 -> StepOutput(text_id, function_id, ...)
+    >>> engine.close_session(session)
+
+All calls must come from one thread (the service's EngineThread): MLX evaluation is tied to its thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from tokenizers import Tokenizer
+
+from services.common.checkpoint import Checkpoint
+from services.common.config import VoiceChatConfig
+from services.common.errors import LimitExceeded
+from services.llm.nemotron_h import WEIGHT_PREFIXES, DuplexLanguageModel, LayerCache
+
+MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
+MAX_FULL_HISTORY_POSITIONS = 4096  # the diagnostic mode recomputes everything each step: keep it bounded
+PREFIX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class StepOutput:
+    """One timeline position: greedy ids and, when asked for, both heads' logits (vocab,) float32."""
+
+    text_id: int
+    function_id: int
+    text_logits: mx.array | None = None
+    function_logits: mx.array | None = None
+
+
+@dataclass
+class LanguageSession:
+    """One conversation: the previous tokens and either the layer caches or the fused-input history."""
+
+    session_id: int
+    model: DuplexLanguageModel
+    full_history: bool
+    caches: list[LayerCache] = field(default_factory=list)
+    history: list[mx.array] = field(default_factory=list)
+    prev_text: int = 0  # pad at position 0: set by open_session
+    prev_function: int = 0
+    positions: int = 0  # timeline positions run so far, prefix included
+    prompt_positions: int = 0
+    frames: int = 0  # audio frames stepped (positions after the prefix)
+    closed: bool = False
+
+    def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array] | None:
+        """audio: (1, 1, D) -> both heads' logits at this position, (vocab,) each, or None when not wanted."""
+        fused = self.model.fuse(self.prev_text, audio, self.prev_function)
+        if self.full_history:
+            # Recompute over every fused input so far, heads over the whole sequence, as the reference does.
+            self.history.append(fused)
+            hidden = self.model.backbone(mx.concatenate(self.history, axis=1))
+            text_logits, function_logits = self.model.heads(hidden)
+            self.positions += 1
+            mx.eval(self.history[-1], text_logits, function_logits)
+            return text_logits[0, -1], function_logits[0, -1]
+        hidden = self.model.backbone(fused, self.caches)
+        self.positions += 1
+        state = [a for c in self.caches if c is not None for a in c.arrays()]
+        if not want_heads:
+            mx.eval(state)
+            return None
+        text_logits, function_logits = self.model.heads(hidden)
+        mx.eval(state, text_logits, function_logits)
+        return text_logits[0, -1], function_logits[0, -1]
+
+    def prefill(self, embeddings: mx.array) -> None:
+        """embeddings: (P, D) prompt rows on the audio channel; both output channels stay pad."""
+        for i in range(embeddings.shape[0]):
+            self._run(embeddings[None, i : i + 1], want_heads=False)  # outputs stay pad: prev_* untouched
+        self.prompt_positions += embeddings.shape[0]
+
+    def step(self, audio: mx.array, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
+        """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.
+
+        frame_index, when given, must be the number of frames stepped so far (0, 1, 2, ...)."""
+        if self.closed:
+            raise ValueError(f"session {self.session_id} is closed")
+        if frame_index is not None and frame_index != self.frames:
+            raise ValueError(f"frame_index {frame_index} is out of order; expected {self.frames}")
+        if self.full_history and self.positions >= MAX_FULL_HISTORY_POSITIONS:
+            raise LimitExceeded(f"full-history sessions are limited to {MAX_FULL_HISTORY_POSITIONS} positions")
+        hidden = self.model.hidden_size
+        if audio.dtype != mx.float32 or tuple(audio.shape) != (hidden,):
+            raise ValueError(f"audio embedding must be float32 of shape ({hidden},); "
+                             f"got {str(audio.dtype).rpartition('.')[2]} of shape {tuple(audio.shape)}")
+        logits = self._run(audio.reshape(1, 1, hidden), want_heads=True)
+        assert logits is not None
+        text_logits, function_logits = logits
+        self.prev_text = int(mx.argmax(text_logits))
+        self.prev_function = int(mx.argmax(function_logits))
+        self.frames += 1
+        if not return_logits:
+            return StepOutput(self.prev_text, self.prev_function)
+        return StepOutput(self.prev_text, self.prev_function, text_logits, function_logits)
+
+
+class LanguageEngine:
+    """Loads `stt_model.{embed_tokens,llm,lm_head,function_head}` and the tokenizer; opens sessions."""
+
+    def __init__(self, config: VoiceChatConfig, model: DuplexLanguageModel, tokenizer: Tokenizer | None,
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self._sessions: dict[int, LanguageSession] = {}
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> LanguageEngine:
+        checkpoint = Checkpoint(model_dir)
+        try:
+            weights = checkpoint.load(WEIGHT_PREFIXES)
+            model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
+            mx.eval([a for a in weights.arrays.values()])
+        finally:
+            checkpoint.close()
+        tokenizer_path = Path(model_dir) / "tokenizer.json"
+        tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+        return cls(checkpoint.config, model, tokenizer, max_prompt_tokens)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    def prompt_ids(self, system_prompt: str) -> list[int]:
+        """`[bos] + encode(prompt) + [eos]`; [] for an empty or blank prompt."""
+        if not system_prompt.strip():
+            return []
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json; send prompt_token_ids instead of system_prompt")
+        encoded = self.tokenizer.encode(system_prompt, add_special_tokens=False).ids
+        return [self.model.bos_id, *encoded, self.model.eos_id]
+
+    def open_session(self, system_prompt: str = "", prompt_token_ids: list[int] | None = None,
+                     full_history: bool = False, prefix_dtype: str = "float32") -> LanguageSession:
+        """Open a session and prefill its prompt prefix.
+
+        prompt_token_ids, when non-empty, are used as given (bos/eos included) instead of system_prompt.
+        prefix_dtype: "float32" feeds the prompt rows as the reference's offline path does (cast to float32),
+        "bfloat16" as its streaming session does (raw table rows)."""
+        ids = [int(i) for i in prompt_token_ids] if prompt_token_ids else self.prompt_ids(system_prompt)
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"system prompt is {len(ids)} tokens (bos/eos included); "
+                             f"the limit is {self.max_prompt_tokens}")
+        vocab = self.model.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if prefix_dtype not in PREFIX_DTYPES:
+            raise ValueError(f"prefix_dtype must be one of {sorted(PREFIX_DTYPES)}, got {prefix_dtype!r}")
+        pad = self.model.pad_id
+        session = LanguageSession(next(self._ids), self.model, full_history, prev_text=pad, prev_function=pad)
+        if not full_history:
+            session.caches = self.model.make_caches()
+        if ids:
+            rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32))
+            session.prefill(rows.astype(PREFIX_DTYPES[prefix_dtype]))
+        self._sessions[session.session_id] = session
+        return session
+
+    def close_session(self, session: LanguageSession) -> None:
+        """Free the session's caches; closing twice is a no-op."""
+        session.closed = True
+        session.caches.clear()
+        session.history.clear()
+        self._sessions.pop(session.session_id, None)

@@ -1,0 +1,403 @@
+"""Nemotron-H hybrid stack (Mamba2 / attention / squared-ReLU MLP) on injected embeddings, with two heads.
+
+Modules are pure functions of their weights and inputs; every per-session tensor lives in a cache object the
+caller owns (`make_caches`), so one model in memory serves any number of sessions:
+
+    >>> model = DuplexLanguageModel.from_weights(weights, config)
+    >>> caches = model.make_caches()
+    >>> hidden = model.backbone(fused, caches)        # fused: (B, L, D) -> (B, L, D) after norm_f
+    >>> text_logits, function_logits = model.heads(hidden)
+
+Numerics follow the reference op for op: f32 activations against bf16 weights, the chunked (256-position)
+state-space form for sequences, and a single-position recurrence whose ops reduce to the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from services.common.checkpoint import Weights
+from services.common.config import TextConfig, VoiceChatConfig
+from services.common.layers import Embedding, Linear
+
+SSM_CHUNK = 256  # positions per block of the chunked state-space form
+KV_STEP = 256  # attention cache grows in blocks of this many positions
+WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
+
+# ---- caches ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MambaCache:
+    """Per-layer Mamba2 state: conv tail (B, K-1, conv_dim) and SSM state (B, H, head_dim, state)."""
+
+    conv: mx.array | None = None
+    ssm: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv, self.ssm) if a is not None]
+
+
+@dataclass
+class KVCache:
+    """Per-layer attention keys/values (B, kv_heads, capacity, head_dim), grown KV_STEP positions at a time.
+
+    The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later f32 keys in bf16,
+    exactly as the reference's cache does)."""
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    offset: int = 0
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """keys, values: (B, kv_heads, L, head_dim) -> everything cached so far, (B, kv_heads, offset, head_dim)."""
+        start, n = self.offset, keys.shape[2]
+        if self.keys is None or start + n > self.keys.shape[2]:
+            blocks = (KV_STEP + n - 1) // KV_STEP
+            b, heads, _, dim = keys.shape
+            grow_k = mx.zeros((b, heads, blocks * KV_STEP, dim), keys.dtype)
+            grow_v = mx.zeros((b, heads, blocks * KV_STEP, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = grow_k, grow_v
+            else:
+                self.keys = mx.concatenate([self.keys[..., :start, :], grow_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :start, :], grow_v], axis=2)
+        self.offset = start + n
+        self.keys[..., start : self.offset, :] = keys
+        self.values[..., start : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+LayerCache = MambaCache | KVCache | None
+
+# ---- the state-space recurrence ----------------------------------------------------------------------------
+
+
+@mx.compile
+def time_steps(dt: mx.array, dt_bias: mx.array, limits: tuple[float, float]) -> mx.array:
+    """dt: (B, L, H) raw projection -> clip(softplus(dt + dt_bias), *limits) in float32.
+
+    Compiled like the reference's, so the fused softplus rounds the same way."""
+    return mx.clip(nn.softplus(dt.astype(mx.float32) + dt_bias), limits[0], limits[1])
+
+
+def _cumulative_log_decay(a: mx.array) -> mx.array:
+    """a: (B, H, T) per-step log decays -> (B, H, T, T) with [i, j] = sum(a[j+1..i]) for j <= i, 0 above."""
+    t = a.shape[-1]
+    tiled = mx.tril(mx.repeat(a[..., None], t, axis=-1), -1)
+    return mx.cumsum(tiled, axis=-2)
+
+
+def ssm_sequence(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+                 dt_bias: mx.array, state: mx.array | None, limits: tuple[float, float],
+                 chunk: int = SSM_CHUNK) -> tuple[mx.array, mx.array]:
+    """Chunked (quadratic within a chunk, recurrent across chunks) selective scan.
+
+    x: (B, L, H, P); B, C: (B, L, G, N); dt: (B, L, H); state: (B, H, P, N) or None.
+    Returns y: (B, L, H, P) in x's dtype and the final state (B, H, P, N) float32."""
+    b, length, heads, p = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    per_group = heads // groups
+    dt = time_steps(dt, dt_bias, limits)
+    decay_rate = -mx.exp(A_log).astype(dt.dtype)
+    log_decay = dt * decay_rate.reshape(1, 1, -1)  # (B, L, H)
+    scaled_x = dt.reshape(b, length, heads, 1) * x  # (B, L, H, P)
+
+    outputs = []
+    for start in range(0, length, chunk):
+        xs, la = scaled_x[:, start : start + chunk], log_decay[:, start : start + chunk]
+        bs, cs = B[:, start : start + chunk], C[:, start : start + chunk]
+        s = xs.shape[1]
+        b_t = mx.transpose(bs, (0, 2, 3, 1))  # (B, G, N, S)
+        scores = mx.repeat(mx.swapaxes(cs, 1, 2) @ b_t, per_group, axis=1)  # (B, H, S, S)
+        decay = mx.exp(_cumulative_log_decay(la.swapaxes(1, 2)))  # (B, H, S, S)
+        y = mx.swapaxes(mx.tril(scores * decay, 0) @ xs.swapaxes(1, 2), 1, 2)  # (B, S, H, P)
+
+        # State carried out of the chunk: each position's input decayed to the chunk's end.
+        to_end = decay[:, :, -1:, :].transpose(0, 3, 1, 2)  # (B, S, H, 1)
+        b_heads = mx.repeat(b_t, per_group, axis=1).swapaxes(2, 3)  # (B, H, S, N)
+        new_state = (xs * to_end).swapaxes(1, 2).swapaxes(2, 3) @ b_heads  # (B, H, P, N)
+        if state is not None:
+            carried = mx.exp(mx.cumsum(la, axis=-2))  # (B, S, H): decay from the chunk's start
+            new_state += carried[:, -1, :, None, None] * state
+            c6 = cs.reshape(b, s, groups, 1, n, 1)
+            from_state = (state.reshape((b, 1, groups, per_group, p, n)) @ c6).squeeze(-1).flatten(2, 3)
+            y += carried[..., None] * from_state
+        outputs.append(y.astype(x.dtype))
+        state = new_state
+    y = mx.concatenate(outputs, axis=1) + x * D.reshape(1, 1, heads, 1)
+    return y, state
+
+
+def ssm_step(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+             dt_bias: mx.array, state: mx.array | None, limits: tuple[float, float]) -> tuple[mx.array, mx.array]:
+    """One position of the recurrence: h' = exp(dt A) h + dt x B^T;  y = h' C + D x.
+
+    x: (B, 1, H, P); B, C: (B, 1, G, N); dt: (B, 1, H); state: (B, H, P, N) or None (zeros).
+    y is computed as (C.B) dt x + exp(dt A) (h C), the factorisation the chunked form takes for one
+    position, so both forms give the same bits on a single step."""
+    b, _, heads, p = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    per_group = heads // groups
+    dt = time_steps(dt, dt_bias, limits)
+    log_decay = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)  # (B, 1, H)
+    scaled_x = dt.reshape(b, 1, heads, 1) * x  # (B, 1, H, P)
+    b_col = B.reshape(b, groups, n, 1)
+    cb = mx.repeat(C.reshape(b, groups, 1, n) @ b_col, per_group, axis=1)  # (B, H, 1, 1)
+    y = (cb * scaled_x.swapaxes(1, 2)).swapaxes(1, 2)  # (B, 1, H, P)
+    b_heads = mx.repeat(B.reshape(b, groups, 1, n), per_group, axis=1)  # (B, H, 1, N)
+    new_state = scaled_x.reshape(b, heads, p, 1) * b_heads  # (B, H, P, N)
+    if state is not None:
+        keep = mx.exp(log_decay)  # (B, 1, H)
+        new_state += keep[:, 0, :, None, None] * state
+        from_state = (state.reshape(b, 1, groups, per_group, p, n) @ C.reshape(b, 1, groups, 1, n, 1))
+        y += keep[..., None] * from_state.squeeze(-1).flatten(2, 3)
+    y = y.astype(x.dtype) + x * D.reshape(1, 1, heads, 1)
+    return y, new_state
+
+
+# ---- blocks ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Mamba2Mixer:
+    """in_proj -> [gate | conv input | dt]; depthwise causal conv + SiLU; selective scan; gated RMSNorm; out_proj."""
+
+    in_proj: Linear
+    conv_weight: mx.array  # (conv_dim, K, 1)
+    conv_bias: mx.array | None
+    dt_bias: mx.array
+    A_log: mx.array
+    D: mx.array
+    norm_weight: mx.array
+    out_proj: Linear
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    eps: float
+    limits: tuple[float, float]
+
+    @classmethod
+    def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> Mamba2Mixer:
+        conv_dim = cfg.mamba_conv_dim
+        return cls(
+            in_proj=Linear.from_weights(w, f"{path}.in_proj"),
+            conv_weight=w.get(f"{path}.conv1d.weight", (conv_dim, cfg.conv_kernel, 1)),
+            conv_bias=w.get(f"{path}.conv1d.bias", (conv_dim,)) if cfg.use_conv_bias else None,
+            dt_bias=w.get(f"{path}.dt_bias", (cfg.mamba_num_heads,)),
+            A_log=w.get(f"{path}.A_log", (cfg.mamba_num_heads,)),
+            D=w.get(f"{path}.D", (cfg.mamba_num_heads,)),
+            norm_weight=w.get(f"{path}.norm.weight", (cfg.mamba_intermediate,)),
+            out_proj=Linear.from_weights(w, f"{path}.out_proj"),
+            heads=cfg.mamba_num_heads, head_dim=cfg.mamba_head_dim, groups=cfg.n_groups,
+            state_size=cfg.ssm_state_size, eps=cfg.layer_norm_epsilon, limits=cfg.dt_limits,
+        )
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.conv_weight.shape[0]
+
+    def _split(self, projected: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        # Checkpoints may pad the projection with two unused d_mlp branches in front of the gate.
+        extra = projected.shape[-1] - (self.inner + self.conv_dim + self.heads)
+        if extra < 0 or extra % 2:
+            raise ValueError(f"Mamba in_proj width {projected.shape[-1]} is not "
+                             f"{self.inner + self.conv_dim + self.heads} plus an even padding")
+        gate0 = extra
+        conv0 = gate0 + self.inner
+        dt0 = conv0 + self.conv_dim
+        return projected[..., gate0:conv0], projected[..., conv0:dt0], projected[..., dt0:]
+
+    def _conv(self, u: mx.array, cache: MambaCache | None) -> mx.array:
+        """u: (B, L, conv_dim) -> SiLU(causal depthwise conv(u)), updating the cache's conv tail."""
+        tail = self.conv_weight.shape[1] - 1
+        if cache is None:
+            padded = mx.pad(u, [(0, 0), (tail, 0), (0, 0)])
+        else:
+            prev = cache.conv if cache.conv is not None else mx.zeros((u.shape[0], tail, self.conv_dim), u.dtype)
+            padded = mx.concatenate([prev, u], axis=1)
+            cache.conv = padded[:, -tail:, :]
+        y = mx.conv1d(padded, self.conv_weight, 1, 0, 1, self.conv_dim)
+        if self.conv_bias is not None:
+            y = y + self.conv_bias
+        return nn.silu(y)
+
+    def _gated_norm(self, y: mx.array, gate: mx.array) -> mx.array:
+        """RMSNorm over each of the `groups` slices of silu(gate) * y, then the weight."""
+        y = mx.unflatten(nn.silu(gate) * y, -1, (-1, self.inner // self.groups))
+        return self.norm_weight * mx.fast.rms_norm(y, None, self.eps).flatten(-2)
+
+    def __call__(self, x: mx.array, cache: MambaCache | None = None) -> mx.array:
+        """x: (B, L, D) -> (B, L, D). With a cache the conv tail and SSM state carry over; L == 1 with a
+        cache takes the single-position recurrence."""
+        b, length, _ = x.shape
+        gate, conv_in, dt = self._split(self.in_proj(x))
+        xbc = self._conv(conv_in, cache)
+        gn = self.groups * self.state_size
+        xs, bs, cs = mx.split(xbc, [self.inner, self.inner + gn], axis=-1)
+        xs = xs.reshape(b, length, self.heads, self.head_dim)
+        bs = bs.reshape(b, length, self.groups, self.state_size)
+        cs = cs.reshape(b, length, self.groups, self.state_size)
+        state = cache.ssm if cache is not None else None
+        d = self.D.astype(xs.dtype)
+        if cache is not None and length == 1:
+            y, state = ssm_step(xs, self.A_log, bs, cs, d, dt, self.dt_bias, state, self.limits)
+        else:
+            y, state = ssm_sequence(xs, self.A_log, bs, cs, d, dt, self.dt_bias, state, self.limits)
+        if cache is not None:
+            cache.ssm = state
+        y = self._gated_norm(y.reshape(b, length, self.inner), gate)
+        return self.out_proj(y)
+
+
+@dataclass
+class Attention:
+    """Grouped-query attention without positional encoding (Nemotron-H attention layers use none)."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> Attention:
+        return cls(*(Linear.from_weights(w, f"{path}.{n}_proj") for n in "qkvo"),
+                   heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.attention_head_dim)
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        """x: (B, L, D) -> (B, L, D); causal over the cache's earlier positions plus these L."""
+        b, length, _ = x.shape
+        q = self.q_proj(x).reshape(b, length, self.heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        mask = "causal" if length > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+@dataclass
+class SquaredReluMLP:
+    up_proj: Linear
+    down_proj: Linear
+
+    @classmethod
+    def from_weights(cls, w: Weights, path: str) -> SquaredReluMLP:
+        return cls(Linear.from_weights(w, f"{path}.up_proj"), Linear.from_weights(w, f"{path}.down_proj"))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.relu2(self.up_proj(x)))
+
+
+@dataclass
+class Block:
+    """Pre-norm residual block: x + mixer(rms_norm(x)); kind is 'M', '*' or '-'."""
+
+    kind: str
+    norm_weight: mx.array
+    mixer: Mamba2Mixer | Attention | SquaredReluMLP
+    eps: float
+
+    def __call__(self, x: mx.array, cache: LayerCache = None) -> mx.array:
+        h = mx.fast.rms_norm(x, self.norm_weight, self.eps)
+        h = self.mixer(h) if self.kind == "-" else self.mixer(h, cache)
+        return x + h
+
+
+@dataclass
+class NemotronH:
+    """The hybrid stack on injected embeddings, ending in norm_f."""
+
+    blocks: list[Block]
+    norm_f: mx.array
+    eps: float
+
+    @classmethod
+    def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> NemotronH:
+        blocks = []
+        for i, kind in enumerate(cfg.hybrid_override_pattern):
+            p = f"{path}.layers.{i}"
+            if kind == "M":
+                mixer = Mamba2Mixer.from_weights(w, f"{p}.mixer", cfg)
+            elif kind == "*":
+                mixer = Attention.from_weights(w, f"{p}.mixer", cfg)
+            else:
+                mixer = SquaredReluMLP.from_weights(w, f"{p}.mixer")
+            blocks.append(Block(kind, w.get(f"{p}.norm.weight", (cfg.hidden_size,)), mixer, cfg.layer_norm_epsilon))
+        return cls(blocks, w.get(f"{path}.norm_f.weight", (cfg.hidden_size,)), cfg.layer_norm_epsilon)
+
+    def make_caches(self) -> list[LayerCache]:
+        """One cache per block: MambaCache for 'M', KVCache for '*', None for '-'."""
+        return [MambaCache() if b.kind == "M" else KVCache() if b.kind == "*" else None for b in self.blocks]
+
+    def __call__(self, x: mx.array, caches: list[LayerCache] | None = None) -> mx.array:
+        """x: (B, L, D) -> (B, L, D). Without caches the whole sequence is computed from scratch."""
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])
+        return mx.fast.rms_norm(x, self.norm_f, self.eps)
+
+
+@dataclass
+class DuplexLanguageModel:
+    """embed_tokens (for the fused input), the Nemotron-H stack, and the text and function heads."""
+
+    embed_tokens: Embedding
+    backbone: NemotronH
+    lm_head: Linear
+    function_head: Linear
+    function_channel_weight: float
+    hidden_size: int
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    @classmethod
+    def from_weights(cls, w: Weights, config: VoiceChatConfig) -> DuplexLanguageModel:
+        cfg = config.text_config
+        model = cls(
+            embed_tokens=Embedding.from_weights(w, "stt_model.embed_tokens"),
+            backbone=NemotronH.from_weights(w, "stt_model.llm", cfg),
+            lm_head=Linear.from_weights(w, "stt_model.lm_head"),
+            function_head=Linear.from_weights(w, "stt_model.function_head"),
+            function_channel_weight=float(config.function_channel_weight),
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+            pad_id=config.pad_token_id, bos_id=config.bos_token_id, eos_id=config.eos_token_id,
+        )
+        for name in ("lm_head", "function_head"):
+            head = getattr(model, name)
+            if (head.out_features, head.in_features) != (cfg.vocab_size, cfg.hidden_size):
+                raise ValueError(f"stt_model.{name}: shape ({head.out_features}, {head.in_features}) differs from "
+                                 f"config.json's ({cfg.vocab_size}, {cfg.hidden_size})")
+        return model
+
+    def make_caches(self) -> list[LayerCache]:
+        return self.backbone.make_caches()
+
+    def fuse(self, prev_text: int, audio: mx.array, prev_function: int) -> mx.array:
+        """audio: (1, 1, D) -> E(prev_text) + audio + w * E(prev_function), (1, 1, D).
+
+        The sum runs left to right in the dtypes the reference uses (bf16 table rows, w * row in bf16)."""
+        text = self.embed_tokens(mx.array([[prev_text]], dtype=mx.int32))
+        function = self.embed_tokens(mx.array([[prev_function]], dtype=mx.int32))
+        return text + audio + self.function_channel_weight * function
+
+    def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """hidden: (B, L, D) -> text and function logits, each (B, L, vocab)."""
+        return self.lm_head(hidden), self.function_head(hidden)

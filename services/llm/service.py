@@ -1,0 +1,96 @@
+"""The gRPC face of the language model: protobuf in, arrays to the engine on its thread, protobuf out.
+
+One Stream call is one session: `open` first (prefills the system prompt), then one `step` per 80 ms frame.
+The session's caches are freed when the stream ends, fails or is cancelled. Errors are raised, not caught:
+the shared interceptor maps ValueError to INVALID_ARGUMENT and LimitExceeded to RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from protos.voicechat.v1 import language_pb2, language_pb2_grpc
+from services.common.cli import ServiceSpec
+from services.common.engine_thread import EngineThread
+from services.common.server import full_service_name
+from services.common.tensors import from_proto, to_proto
+from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession
+
+SERVICE_NAME = full_service_name(language_pb2, "LanguageService")
+# The prompt prefix enters the model cast to float32 as in the reference's offline turn; "bfloat16" feeds the
+# raw table rows as its streaming session does (LanguageOpen has no field to choose per stream).
+DEFAULT_PREFIX_DTYPE = "float32"
+
+
+class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
+    """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
+
+    def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
+                 prefix_dtype: str = DEFAULT_PREFIX_DTYPE) -> None:
+        self.engine_thread = engine_thread
+        self._engine = engine
+        self.prefix_dtype = prefix_dtype
+
+    @property
+    def engine(self) -> LanguageEngine:
+        assert self._engine is not None, "calls are gated until load() has finished"
+        return self._engine
+
+    async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+        """Load the checkpoint's language tensors and tokenizer on the engine thread."""
+        self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[language_pb2.LanguageStreamRequest], context
+    ) -> AsyncIterator[language_pb2.LanguageStreamResponse]:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "open":
+            raise ValueError("the first Stream message must be `open` (LanguageOpen)")
+        engine = self.engine
+        spec = first.open
+        session: LanguageSession = await self.engine_thread.run(
+            engine.open_session, spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
+            self.prefix_dtype,
+        )
+        try:
+            yield language_pb2.LanguageStreamResponse(opened=language_pb2.LanguageOpened(
+                prompt_positions=session.prompt_positions, hidden_size=engine.hidden_size))
+            async for request in request_iterator:
+                if request.WhichOneof("payload") != "step":
+                    raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
+                step = request.step
+                if not step.HasField("audio_embedding"):
+                    raise ValueError("LanguageStep.audio_embedding is missing")
+                result = await self.engine_thread.run(_run_step, session, step)
+                yield language_pb2.LanguageStreamResponse(step=result)
+        finally:
+            # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
+            # step still running for it; a closed engine thread (shutdown) frees everything anyway.
+            with contextlib.suppress(RuntimeError):
+                self.engine_thread.submit(engine.close_session, session)
+
+
+def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> language_pb2.LanguageStepResult:
+    """One LanguageStep on the engine thread (tensor conversion included: MLX work stays on that thread)."""
+    out = session.step(from_proto(step.audio_embedding), step.return_logits, step.frame_index)
+    result = language_pb2.LanguageStepResult(
+        frame_index=step.frame_index, text_token_id=out.text_id, function_token_id=out.function_id)
+    if out.text_logits is not None:
+        result.text_logits.CopyFrom(to_proto(out.text_logits))
+        result.function_logits.CopyFrom(to_proto(out.function_logits))
+    return result
+
+
+def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+               prefix_dtype: str = DEFAULT_PREFIX_DTYPE) -> ServiceSpec:
+    """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
+    engine_thread = EngineThread(name="llm-engine")
+    servicer = LanguageServicer(engine_thread, prefix_dtype=prefix_dtype)
+    return ServiceSpec(
+        registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
+        service_names=[SERVICE_NAME],
+        load=lambda: servicer.load(model_dir, max_prompt_tokens),
+        close=engine_thread.close,
+    )

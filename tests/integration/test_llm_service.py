@@ -1,0 +1,227 @@
+"""The language service over a real grpc.aio server on port 0, against the engine called directly."""
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.voicechat.v1 import language_pb2, language_pb2_grpc
+from services.common import cli
+from services.common.server import start_server
+from services.common.tensors import from_proto_np, to_proto, to_proto_np
+from services.llm.engine import LanguageEngine
+from services.llm.service import SERVICE_NAME, build_spec
+from tests.conftest import GOLDEN
+
+HOST = "127.0.0.1"
+PROMPT = "Be concise and answer in one sentence."
+MAX_PROMPT = 32
+
+
+@pytest.fixture(scope="module")
+def embeds():
+    z = np.load(GOLDEN / "offline_prompt.npz")
+    return z["audio_embeds"][len(z["prompt_ids"]) :][:24]
+
+
+@contextlib.asynccontextmanager
+async def llm_server(model_dir):
+    spec = build_spec(model_dir, max_prompt_tokens=MAX_PROMPT)
+    running = await start_server(spec.registrations, spec.service_names, host=HOST, port=0)
+    channel = grpc.aio.insecure_channel(f"{HOST}:{running.port}")
+    try:
+        await running.become_ready(spec.load)
+        servicer = spec.registrations[0][1]
+        yield language_pb2_grpc.LanguageServiceStub(channel), servicer, channel
+    finally:
+        await channel.close()
+        await running.stop(0)
+        spec.close()
+
+
+def open_request(prompt="", ids=(), full_history=False):
+    return language_pb2.LanguageStreamRequest(
+        open=language_pb2.LanguageOpen(system_prompt=prompt, prompt_token_ids=list(ids), full_history=full_history))
+
+
+def step_request(index, row, return_logits=False):
+    tensor = to_proto(row) if isinstance(row, mx.array) else to_proto_np(row)
+    return language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(
+        frame_index=index, audio_embedding=tensor, return_logits=return_logits))
+
+
+async def run_stream(stub, rows, prompt="", return_logits=False):
+    call = stub.Stream()
+    await call.write(open_request(prompt))
+    opened = (await call.read()).opened
+    results = []
+    for i, row in enumerate(rows):
+        await call.write(step_request(i, row, return_logits))
+        results.append((await call.read()).step)
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    return opened, results
+
+
+def engine_run(engine, rows, prompt=""):
+    session = engine.open_session(system_prompt=prompt)
+    outs = [session.step(mx.array(row), return_logits=True) for row in rows]
+    engine.close_session(session)
+    return session, outs
+
+
+async def live_sessions(servicer):
+    return await servicer.engine_thread.run(lambda: servicer.engine.live_sessions)
+
+
+def test_stream_gives_the_engines_ids_and_logits_byte_for_byte(tiny_checkpoint, embeds):
+    direct_session, direct = engine_run(LanguageEngine.load(tiny_checkpoint), embeds, PROMPT)
+
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, channel):
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            health = await health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            opened, results = await run_stream(stub, embeds, PROMPT, return_logits=True)
+            assert opened.prompt_positions == direct_session.prompt_positions == 15
+            assert opened.hidden_size == 128
+            assert [r.frame_index for r in results] == list(range(len(embeds)))
+            assert [(r.text_token_id, r.function_token_id) for r in results] == \
+                [(o.text_id, o.function_id) for o in direct]
+            for r, o in zip(results, direct, strict=True):
+                assert from_proto_np(r.text_logits).tobytes() == np.array(o.text_logits).tobytes()
+                assert from_proto_np(r.function_logits).tobytes() == np.array(o.function_logits).tobytes()
+            _, plain = await run_stream(stub, embeds[:3])
+            assert not plain[0].HasField("text_logits")  # logits only when asked for
+            assert await live_sessions(servicer) == 0
+
+    asyncio.run(main())
+
+
+def test_four_interleaved_streams_match_four_separate_runs(tiny_checkpoint, embeds):
+    prompts = ["", PROMPT, "", "Hello there."]
+    rows = embeds[:10]
+
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, _):
+            separate = [[(r.text_token_id, r.function_token_id) for r in (await run_stream(stub, rows, p))[1]]
+                        for p in prompts]
+            calls = [stub.Stream() for _ in prompts]
+            for call, p in zip(calls, prompts, strict=True):
+                await call.write(open_request(p))
+                await call.read()
+            assert await live_sessions(servicer) == 4
+            together = [[] for _ in prompts]
+            for i, row in enumerate(rows):
+                for call in calls:  # all four writes in flight before any read
+                    await call.write(step_request(i, row))
+                for k, call in enumerate(calls):
+                    step = (await call.read()).step
+                    together[k].append((step.text_token_id, step.function_token_id))
+            for call in calls:
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF
+            assert together == separate
+            assert await live_sessions(servicer) == 0
+
+    asyncio.run(main())
+
+
+def test_a_closed_or_cancelled_stream_frees_its_session(tiny_checkpoint, embeds):
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, _):
+            call = stub.Stream()
+            await call.write(open_request(PROMPT))
+            await call.read()
+            await call.write(step_request(0, embeds[0]))
+            await call.read()
+            assert await live_sessions(servicer) == 1
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+            assert await live_sessions(servicer) == 0
+
+            call = stub.Stream()
+            await call.write(open_request())
+            await call.read()
+            assert await live_sessions(servicer) == 1
+            call.cancel()
+            for _ in range(200):  # the server learns of the cancellation asynchronously
+                if await live_sessions(servicer) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await live_sessions(servicer) == 0
+
+    asyncio.run(main())
+
+
+BAD_STEPS = [
+    (np.zeros(127, np.float32), "audio embedding must be float32 of shape (128,); got float32 of shape (127,)"),
+    (np.zeros(128, np.float16), "audio embedding must be float32 of shape (128,); got float16 of shape (128,)"),
+    (mx.zeros(128, mx.bfloat16),
+     "audio embedding must be float32 of shape (128,); got bfloat16 of shape (128,)"),
+    (np.zeros(128, np.int32), "audio embedding must be float32 of shape (128,); got int32 of shape (128,)"),
+]
+
+
+def test_bad_input_is_invalid_argument_with_a_clear_message(tiny_checkpoint, embeds):
+    async def expect_invalid(requests, message):
+        call = stub_holder[0].Stream()
+        for request in requests:
+            await call.write(request)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() != grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == message
+
+    stub_holder = []
+
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, _):
+            stub_holder.append(stub)
+            await expect_invalid([step_request(0, embeds[0])],
+                                 "the first Stream message must be `open` (LanguageOpen)")
+            await expect_invalid([open_request(ids=[7] * 40)],
+                                 f"system prompt is 40 tokens (bos/eos included); the limit is {MAX_PROMPT}")
+            for row, message in BAD_STEPS:
+                await expect_invalid([open_request(), step_request(0, row)], message)
+            await expect_invalid([open_request(), step_request(0, embeds[0]), step_request(5, embeds[1])],
+                                 "frame_index 5 is out of order; expected 1")
+            await expect_invalid([open_request(), open_request()],
+                                 "after `open`, every Stream message must be a `step` (LanguageStep)")
+            assert await live_sessions(servicer) == 0
+
+    asyncio.run(main())
+
+
+def test_python_m_services_llm_serves_and_stops_on_sigterm(tiny_checkpoint, embeds):
+    root = GOLDEN.parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.llm", "--model", str(tiny_checkpoint), "--host", HOST, "--port", "0",
+         "--log-level", "warning", "--prompt-prefix-dtype", "bfloat16"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        parsed = cli.parse_ready_line(line)
+        assert parsed is not None, line + proc.stderr.read()
+        with grpc.insecure_channel(f"{HOST}:{parsed[1]}") as channel:
+            stub = language_pb2_grpc.LanguageServiceStub(channel)
+            responses = list(stub.Stream(iter([open_request(), step_request(0, embeds[0])]), timeout=30))
+        assert responses[0].opened.hidden_size == 128
+        assert responses[1].step.frame_index == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
