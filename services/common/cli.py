@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import sys
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,17 @@ def parse_ready_line(line: str) -> tuple[str, int] | None:
         return None
     host, _, port = line[len(READY_PREFIX) :].rpartition(":")
     return (host, int(port)) if port.isdigit() else None
+
+
+def exit_process(code: int) -> typing.NoReturn:
+    """End a service process without running C++ static destructors.
+
+    MLX's compiled activations, first traced on the engine thread, make the library abort during interpreter
+    teardown (exit 134 after a clean shutdown). Everything that matters is done by now: flush and leave.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_service(

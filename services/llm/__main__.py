@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.cli import ServiceSpec, run_service
+from services.common.cli import ServiceSpec, exit_process, run_service
 from services.llm.engine import MAX_PROMPT_TOKENS, PREFIX_DTYPES
 from services.llm.service import DEFAULT_PREFIX_DTYPE, build_spec
 
@@ -28,7 +28,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
 
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         run_service(
             build,
             prog="services.llm",

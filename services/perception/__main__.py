@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.cli import ServiceSpec, run_service
+from services.common.cli import ServiceSpec, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
 
@@ -20,7 +20,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
 
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         run_service(
             build,
             prog="services.perception",

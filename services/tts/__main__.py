@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from protos.voicechat.v1 import speech_pb2_grpc
-from services.common.cli import ServiceSpec, run_service
+from services.common.cli import ServiceSpec, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.tts.service import SERVICE_NAME, SpeechServicer
 
@@ -22,4 +22,4 @@ def build(args: argparse.Namespace) -> ServiceSpec:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_service(build, prog="services.tts", description="EAR-TTS: text tokens to codec codes"))
+    exit_process(run_service(build, prog="services.tts", description="EAR-TTS: text tokens to codec codes"))

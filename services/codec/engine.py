@@ -1,0 +1,152 @@
+"""The codec engine: checkpoint weights in, numpy arrays out; validates input, owns no gRPC.
+
+    engine = CodecEngine.load("/models/voicechat")
+    codes = engine.encode(np.zeros(2 * 1764, np.float32))     # (2, 31) int32
+    audio = engine.decode(codes)                                # (3528,) float32
+    stream = engine.open_stream()
+    chunk = stream.decode_frame(0, codes[0])                    # (1764,) float32
+
+Every method runs MLX work, so a service calls them on its EngineThread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from services.codec.codec import PREFIX, Codec, DecodeState
+from services.common.checkpoint import Checkpoint
+from services.common.errors import LimitExceeded
+
+DEFAULT_MAX_FRAMES = 4096  # about 5.5 minutes of audio per unary call
+
+
+def _check_codes(codes: np.ndarray, shape_name: str, num_quantizers: int, codebook_size: int) -> np.ndarray:
+    """Integer codes whose last axis is Q and whose values index a codebook, as int32; else ValueError."""
+    codes = np.asarray(codes)
+    if codes.dtype.kind not in "iu":
+        raise ValueError(f"codes must be integers, got dtype {codes.dtype}")
+    if codes.size == 0:
+        raise ValueError(f"codes are empty (shape {codes.shape}): send at least one frame of {num_quantizers}")
+    if codes.shape[-1] != num_quantizers:
+        raise ValueError(
+            f"codes must have shape {shape_name} with Q={num_quantizers} codebooks, got shape {codes.shape}"
+        )
+    low, high = int(codes.min()), int(codes.max())
+    if low < 0 or high >= codebook_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"code {bad} is out of range: codes must lie in [0, {codebook_size}) (control and mask codes must "
+            "be replaced by silence codes before decoding)"
+        )
+    return codes.astype(np.int32)
+
+
+class CodecEngine:
+    """One loaded codec serving whole-sequence encode/decode and any number of decode streams."""
+
+    def __init__(self, codec: Codec, max_frames: int = DEFAULT_MAX_FRAMES):
+        self.codec = codec
+        self.config = codec.config
+        self.max_frames = max_frames
+        self._prompt_codes: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def load(cls, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> CodecEngine:
+        """Read only the `tts_model.audio_codec.*` tensors of a checkpoint."""
+        checkpoint = Checkpoint(model_dir)
+        codec = Codec.from_weights(checkpoint.load([PREFIX]), checkpoint.config.codec_config)
+        return cls(codec, max_frames)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.codec.samples_per_frame
+
+    @property
+    def num_quantizers(self) -> int:
+        return self.config.num_quantizers
+
+    @property
+    def codebook_size(self) -> int:
+        return self.config.codebook_size
+
+    def _check_frames(self, frames: int) -> None:
+        if frames > self.max_frames:
+            raise LimitExceeded(
+                f"{frames} code frames ({frames * self.samples_per_frame} samples) exceed this service's limit of "
+                f"{self.max_frames}; split the audio into shorter pieces"
+            )
+
+    def encode(self, waveform: np.ndarray) -> np.ndarray:
+        """waveform: (N,) float mono at the codec rate -> codes (N // 1764, Q) int32; a trailing partial frame
+        is dropped."""
+        waveform = np.asarray(waveform)
+        if waveform.ndim != 1:
+            raise ValueError(f"waveform must be mono with shape (N,), got shape {waveform.shape}")
+        if waveform.dtype.kind != "f":
+            raise ValueError(f"waveform must be floating point samples, got dtype {waveform.dtype}")
+        if waveform.size < self.samples_per_frame:
+            raise ValueError(
+                f"waveform has {waveform.size} samples; the codec needs at least {self.samples_per_frame} "
+                "(one code frame)"
+            )
+        if not np.isfinite(waveform).all():
+            raise ValueError(f"waveform has {int((~np.isfinite(waveform)).sum())} non-finite samples (NaN or inf)")
+        self._check_frames(waveform.size // self.samples_per_frame)
+        codes = self.codec.encode(mx.array(waveform.astype(np.float32))[None])
+        return np.array(codes[0])
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """codes: (T, Q) int -> waveform (T * 1764,) float32."""
+        codes = np.asarray(codes)
+        if codes.ndim != 2:
+            raise ValueError(f"codes must have shape (T, {self.num_quantizers}), got shape {codes.shape}")
+        codes = _check_codes(codes, "(T, Q)", self.num_quantizers, self.codebook_size)
+        self._check_frames(codes.shape[0])
+        return np.array(self.codec.decode(mx.array(codes)[None])[0])
+
+    def encode_prompt_codes(self, frames: int) -> np.ndarray:
+        """The TTS warm-up codes: encode (frames + 1) * 1764 zero samples, set frame 0 and frame frames - 1 to
+        the mask value (codebook_size) and drop the last frame -> (frames, Q) int32."""
+        if frames < 2:
+            raise ValueError(f"prompt frames must be at least 2, got {frames}")
+        if frames not in self._prompt_codes:
+            self._check_frames(frames + 1)
+            silence = self.codec.encode(mx.zeros((1, (frames + 1) * self.samples_per_frame), dtype=mx.float32))
+            codes = np.array(silence[0])
+            codes[[0, frames - 1]] = self.codebook_size
+            self._prompt_codes[frames] = codes[:frames]
+        return self._prompt_codes[frames].copy()
+
+    def open_stream(self) -> DecodeStream:
+        """A fresh causal decode stream (its state is freed with the object)."""
+        return DecodeStream(self)
+
+
+class DecodeStream:
+    """One session's streaming decode: one frame of Q codes in, exactly 1764 samples out, in frame order."""
+
+    def __init__(self, engine: CodecEngine):
+        self.engine = engine
+        self.state = DecodeState()
+        self.next_frame = 0
+
+    def decode_frame(self, frame_index: int, codes: np.ndarray) -> np.ndarray:
+        """codes: (Q,) int for frame `frame_index` (0, 1, 2, ... in order) -> samples (1764,) float32."""
+        engine = self.engine
+        if frame_index != self.next_frame:
+            raise ValueError(f"frame_index {frame_index} is out of order: this stream expects {self.next_frame}")
+        codes = np.asarray(codes)
+        if codes.ndim != 1:
+            raise ValueError(f"a stream frame's codes must have shape ({engine.num_quantizers},), got {codes.shape}")
+        codes = _check_codes(codes, "(Q,)", engine.num_quantizers, engine.codebook_size)
+        samples = engine.codec.decode_step(mx.array(codes)[None, None], self.state)[0]
+        mx.eval(samples, *self.state.arrays())
+        self.next_frame += 1
+        return np.array(samples)

@@ -1,0 +1,83 @@
+"""The gRPC face of the codec: protobuf in, numpy to the engine on its thread, protobuf out.
+
+Errors are raised, not caught: the shared interceptor turns ValueError into INVALID_ARGUMENT and
+LimitExceeded into RESOURCE_EXHAUSTED. One DecodeStream call is one decode session; its state dies with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
+from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine
+from services.common.cli import ServiceSpec
+from services.common.engine_thread import EngineThread
+from services.common.server import full_service_name
+from services.common.tensors import from_proto_np, to_proto_np
+
+SERVICE_NAME = full_service_name(codec_pb2, "CodecService")
+
+
+class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
+    """Serves one CodecEngine; all its MLX work runs on `engine_thread`."""
+
+    def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None):
+        self.engine_thread = engine_thread
+        self._engine = engine
+
+    @property
+    def engine(self) -> CodecEngine:
+        assert self._engine is not None, "calls are gated until load() has finished"
+        return self._engine
+
+    async def load(self, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> None:
+        """Load the checkpoint's codec tensors on the engine thread."""
+        self._engine = await self.engine_thread.run(CodecEngine.load, model_dir, max_frames)
+
+    async def Encode(self, request: codec_pb2.CodecEncodeRequest, context) -> codec_pb2.CodecEncodeResponse:
+        rate = request.sample_rate_hz
+        if rate not in (0, self.engine.sample_rate):
+            raise ValueError(f"sample_rate_hz {rate} is not the codec's rate {self.engine.sample_rate}; resample first")
+        waveform = from_proto_np(request.waveform)
+        codes = await self.engine_thread.run(self.engine.encode, waveform)
+        return codec_pb2.CodecEncodeResponse(codes=to_proto_np(codes))
+
+    async def Decode(self, request: codec_pb2.CodecDecodeRequest, context) -> codec_pb2.CodecDecodeResponse:
+        codes = from_proto_np(request.codes)
+        waveform = await self.engine_thread.run(self.engine.decode, codes)
+        return codec_pb2.CodecDecodeResponse(waveform=to_proto_np(waveform), sample_rate_hz=self.engine.sample_rate)
+
+    async def DecodeStream(
+        self, request_iterator: AsyncIterator[codec_pb2.CodecDecodeStreamRequest], context
+    ) -> AsyncIterator[codec_pb2.CodecDecodeStreamResponse]:
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "open":
+            raise ValueError("the first DecodeStream message must be `open`")
+        engine = self.engine
+        stream = engine.open_stream()
+        yield codec_pb2.CodecDecodeStreamResponse(
+            opened=codec_pb2.CodecDecodeOpened(
+                samples_per_frame=engine.samples_per_frame, sample_rate_hz=engine.sample_rate
+            )
+        )
+        async for request in request_iterator:
+            if request.WhichOneof("payload") != "frame":
+                raise ValueError("after `open`, every DecodeStream message must be a `frame`")
+            frame = request.frame
+            samples = await self.engine_thread.run(stream.decode_frame, frame.frame_index, from_proto_np(frame.codes))
+            yield codec_pb2.CodecDecodeStreamResponse(
+                frame=codec_pb2.CodecDecodedFrame(frame_index=frame.frame_index, samples=to_proto_np(samples))
+            )
+
+
+def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> ServiceSpec:
+    """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
+    engine_thread = EngineThread(name="codec-engine")
+    servicer = CodecServicer(engine_thread)
+    return ServiceSpec(
+        registrations=[(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
+        service_names=[SERVICE_NAME],
+        load=lambda: servicer.load(model_dir, max_frames),
+        close=engine_thread.close,
+    )
