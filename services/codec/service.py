@@ -48,6 +48,10 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
         waveform = await self.engine_thread.run(self.engine.decode, codes)
         return codec_pb2.CodecDecodeResponse(waveform=to_proto_np(waveform), sample_rate_hz=self.engine.sample_rate)
 
+    async def PromptCodes(self, request: codec_pb2.PromptCodesRequest, context) -> codec_pb2.PromptCodesResponse:
+        codes = await self.engine_thread.run(self.engine.encode_prompt_codes, request.frames)
+        return codec_pb2.PromptCodesResponse(codes=to_proto_np(codes))
+
     async def DecodeStream(
         self, request_iterator: AsyncIterator[codec_pb2.CodecDecodeStreamRequest], context
     ) -> AsyncIterator[codec_pb2.CodecDecodeStreamResponse]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from services.common.cli import ServiceSpec, exit_process, run_service
-from services.llm.engine import MAX_PROMPT_TOKENS, PREFIX_DTYPES
-from services.llm.service import DEFAULT_PREFIX_DTYPE, build_spec
+from services.llm.engine import MAX_PROMPT_TOKENS
+from services.llm.service import build_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,17 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
         help=f"longest system prompt in tokens, bos and eos included (default {MAX_PROMPT_TOKENS})",
     )
-    parser.add_argument(
-        "--prompt-prefix-dtype", choices=sorted(PREFIX_DTYPES), default=DEFAULT_PREFIX_DTYPE,
-        help="dtype the prompt rows enter the model in: float32 as the reference's offline turn, bfloat16 as "
-             f"its streaming session (default {DEFAULT_PREFIX_DTYPE})",
-    )
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, args.prompt_prefix_dtype)
+    return build_spec(args.model, args.max_prompt_tokens)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class LanguageSession:
     positions: int = 0  # timeline positions run so far, prefix included
     prompt_positions: int = 0
     frames: int = 0  # audio frames stepped (positions after the prefix)
+    prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
 
     def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array] | None:
@@ -79,6 +80,7 @@ class LanguageSession:
         for i in range(embeddings.shape[0]):
             self._run(embeddings[None, i : i + 1], want_heads=False)  # outputs stay pad: prev_* untouched
         self.prompt_positions += embeddings.shape[0]
+        self.prompt_embeds = embeddings
 
     def step(self, audio: mx.array, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
         """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.

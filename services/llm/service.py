@@ -11,6 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import mlx.core as mx
+
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
@@ -19,19 +21,21 @@ from services.common.tensors import from_proto, to_proto
 from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession
 
 SERVICE_NAME = full_service_name(language_pb2, "LanguageService")
-# The prompt prefix enters the model cast to float32 as in the reference's offline turn; "bfloat16" feeds the
-# raw table rows as its streaming session does (LanguageOpen has no field to choose per stream).
-DEFAULT_PREFIX_DTYPE = "float32"
+# How each stream's prompt prefix enters the model (LanguageOpen.prefix_precision): cast to float32 as in the
+# reference's offline turn (the default), or the table's bfloat16 rows as in its streaming session.
+PREFIX_DTYPES = {
+    language_pb2.PREFIX_PRECISION_UNSPECIFIED: "float32",
+    language_pb2.PREFIX_PRECISION_FLOAT32: "float32",
+    language_pb2.PREFIX_PRECISION_BFLOAT16: "bfloat16",
+}
 
 
 class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
 
-    def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
-                 prefix_dtype: str = DEFAULT_PREFIX_DTYPE) -> None:
+    def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
-        self.prefix_dtype = prefix_dtype
 
     @property
     def engine(self) -> LanguageEngine:
@@ -50,13 +54,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             raise ValueError("the first Stream message must be `open` (LanguageOpen)")
         engine = self.engine
         spec = first.open
-        session: LanguageSession = await self.engine_thread.run(
-            engine.open_session, spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
-            self.prefix_dtype,
-        )
+        if spec.prefix_precision not in PREFIX_DTYPES:
+            raise ValueError(f"LanguageOpen.prefix_precision {spec.prefix_precision} is not a known PrefixPrecision")
+        session, opened = await self.engine_thread.run(_open, engine, spec)
         try:
-            yield language_pb2.LanguageStreamResponse(opened=language_pb2.LanguageOpened(
-                prompt_positions=session.prompt_positions, hidden_size=engine.hidden_size))
+            yield language_pb2.LanguageStreamResponse(opened=opened)
             async for request in request_iterator:
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
@@ -72,6 +74,16 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 self.engine_thread.submit(engine.close_session, session)
 
 
+def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> tuple[LanguageSession, object]:
+    """Open and prefill a session on the engine thread; the reply carries the prefix rows it fed."""
+    session = engine.open_session(spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
+                                  PREFIX_DTYPES[spec.prefix_precision])
+    opened = language_pb2.LanguageOpened(prompt_positions=session.prompt_positions, hidden_size=engine.hidden_size)
+    if session.prompt_embeds is not None:
+        opened.prompt_embeds.CopyFrom(to_proto(session.prompt_embeds.astype(mx.float32)))
+    return session, opened
+
+
 def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> language_pb2.LanguageStepResult:
     """One LanguageStep on the engine thread (tensor conversion included: MLX work stays on that thread)."""
     out = session.step(from_proto(step.audio_embedding), step.return_logits, step.frame_index)
@@ -83,11 +95,10 @@ def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> lang
     return result
 
 
-def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               prefix_dtype: str = DEFAULT_PREFIX_DTYPE) -> ServiceSpec:
+def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
-    servicer = LanguageServicer(engine_thread, prefix_dtype=prefix_dtype)
+    servicer = LanguageServicer(engine_thread)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

@@ -19,6 +19,7 @@ from services.codec.service import SERVICE_NAME, build_spec
 from services.common import cli
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto_np
+from tests.conftest import GOLDEN
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -233,3 +234,17 @@ def test_main_reports_a_bad_checkpoint(tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("services.codec: error:")
+
+
+def test_prompt_codes_are_the_reference_warmup_codes(tiny_checkpoint):
+    golden = np.load(GOLDEN / "offline.npz")["prompt_codes"]
+
+    async def main():
+        async with codec_service(tiny_checkpoint) as (stub, channel):
+            good = await stub.PromptCodes(codec_pb2.PromptCodesRequest(frames=golden.shape[0]))
+            bad = await status_of(stub.PromptCodes(codec_pb2.PromptCodesRequest(frames=1)))
+            return good, bad
+
+    good, (code, message) = asyncio.run(main())
+    assert np.array_equal(from_proto_np(good.codes), golden)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at least 2" in message

@@ -47,9 +47,9 @@ async def llm_server(model_dir):
         spec.close()
 
 
-def open_request(prompt="", ids=(), full_history=False):
-    return language_pb2.LanguageStreamRequest(
-        open=language_pb2.LanguageOpen(system_prompt=prompt, prompt_token_ids=list(ids), full_history=full_history))
+def open_request(prompt="", ids=(), full_history=False, precision=language_pb2.PREFIX_PRECISION_UNSPECIFIED):
+    return language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
+        system_prompt=prompt, prompt_token_ids=list(ids), full_history=full_history, prefix_precision=precision))
 
 
 def step_request(index, row, return_logits=False):
@@ -58,9 +58,9 @@ def step_request(index, row, return_logits=False):
         frame_index=index, audio_embedding=tensor, return_logits=return_logits))
 
 
-async def run_stream(stub, rows, prompt="", return_logits=False):
+async def run_stream(stub, rows, prompt="", return_logits=False, precision=language_pb2.PREFIX_PRECISION_UNSPECIFIED):
     call = stub.Stream()
-    await call.write(open_request(prompt))
+    await call.write(open_request(prompt, precision=precision))
     opened = (await call.read()).opened
     results = []
     for i, row in enumerate(rows):
@@ -206,7 +206,7 @@ def test_python_m_services_llm_serves_and_stops_on_sigterm(tiny_checkpoint, embe
     root = GOLDEN.parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.llm", "--model", str(tiny_checkpoint), "--host", HOST, "--port", "0",
-         "--log-level", "warning", "--prompt-prefix-dtype", "bfloat16"],
+         "--log-level", "warning"],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
@@ -225,3 +225,25 @@ def test_python_m_services_llm_serves_and_stops_on_sigterm(tiny_checkpoint, embe
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("golden, precision", [
+    ("offline_prompt", language_pb2.PREFIX_PRECISION_FLOAT32),
+    ("online_prompt", language_pb2.PREFIX_PRECISION_BFLOAT16),
+])
+def test_each_stream_chooses_its_prefix_precision(tiny_checkpoint, golden, precision):
+    """The offline turn feeds the prompt rows as float32, the online session as bf16; both match their golden."""
+    z = np.load(GOLDEN / f"{golden}.npz")
+    rows = z["stream_audio_embeds"] if "stream_audio_embeds" in z else z["audio_embeds"][len(z["prompt_ids"]):]
+    offline = np.load(GOLDEN / "offline_prompt.npz")
+
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, channel):
+            return await run_stream(stub, rows, PROMPT, precision=precision)
+
+    opened, results = asyncio.run(main())
+    prefix = from_proto_np(opened.prompt_embeds)
+    assert prefix.dtype == np.float32 and prefix.shape == (opened.prompt_positions, 128)
+    assert np.array_equal(prefix, offline["audio_embeds"][: opened.prompt_positions])
+    assert [r.text_token_id for r in results] == z["text_tokens"].tolist()
+    assert [r.function_token_id for r in results] == z["function_tokens"].tolist()
