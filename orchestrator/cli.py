@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,9 +70,21 @@ def dump_offline(path: Path, result: OfflineResult, meta: dict) -> None:
         "prompt_codes": result.prompt_codes,
         "meta": np.array(json.dumps(meta, ensure_ascii=False, sort_keys=True)),
     }
-    tmp = path.with_name(f".{path.name}.part.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    save_npz(path, arrays)
+
+
+def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """An uncompressed .npz whose bytes depend only on the arrays (fixed zip timestamps), written atomically."""
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+            for name, value in arrays.items():
+                info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+                with archive.open(info, "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def offline(args: argparse.Namespace) -> int:

@@ -134,15 +134,17 @@ class GrpcLanguageSession:
 
 class GrpcLanguage:
     def __init__(self, address: str, prefix_precision: int = language_pb2.PREFIX_PRECISION_FLOAT32):
-        self.channel = Channel("language", address, language_pb2_grpc.LanguageServiceStub)
+        self.channel = Channel("llm", address, language_pb2_grpc.LanguageServiceStub)
         self.prefix_precision = prefix_precision
 
     def open(self, system_prompt: str) -> GrpcLanguageSession:
         stream = self.channel.stream("Stream")
         reply = stream.call(language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
             system_prompt=system_prompt, prefix_precision=self.prefix_precision)))
-        embeds = from_proto_np(reply.opened.prompt_embeds) if reply.opened.HasField("prompt_embeds") else None
-        return GrpcLanguageSession(stream, reply.opened.prompt_positions, embeds)
+        opened = reply.opened
+        embeds = (from_proto_np(opened.prompt_embeds) if opened.HasField("prompt_embeds")
+                  else np.zeros((0, opened.hidden_size), np.float32))
+        return GrpcLanguageSession(stream, opened.prompt_positions, embeds)
 
 
 @dataclass
@@ -162,7 +164,7 @@ class GrpcSpeechSession:
 
 class GrpcSpeech:
     def __init__(self, address: str):
-        self.channel = Channel("speech", address, speech_pb2_grpc.SpeechServiceStub)
+        self.channel = Channel("tts", address, speech_pb2_grpc.SpeechServiceStub)
 
     def info(self) -> SpeechInfo:
         reply = self.channel.unary("Describe", speech_pb2.SpeechDescribeRequest())
@@ -238,8 +240,9 @@ class LocalLanguage:
 
     def open(self, system_prompt: str) -> LocalLanguageSession:
         session = self.engine.open_session(system_prompt, prefix_dtype=self.prefix_dtype)
-        return LocalLanguageSession(self.engine, session, session.prompt_positions,
-                                    self.engine.prompt_embeddings(session, self.prefix_dtype))
+        embeds = (np.array(session.prompt_embeds.astype(mx.float32)) if session.prompt_embeds is not None
+                  else np.zeros((0, self.engine.hidden_size), np.float32))
+        return LocalLanguageSession(self.engine, session, session.prompt_positions, embeds)
 
 
 @dataclass

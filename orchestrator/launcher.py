@@ -52,38 +52,41 @@ def _drain(stream, sink: list[str]) -> None:
         del sink[:-200]
 
 
-def start_service(name: str, model: Path, timeout_s: float = 120.0, extra: list[str] | None = None) -> ServiceProcess:
-    """Start one service on a free port and wait until it says it is serving."""
+def spawn_service(name: str, model: Path, extra: list[str] | None = None) -> ServiceProcess:
+    """Start one service on a free port. Call from the main thread: on Linux the child is signalled when the
+    thread that started it ends, which must be this process's lifetime, not a helper thread's."""
     command = [sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
                "--host", "127.0.0.1", "--log-level", "WARNING", *(extra or [])]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=_die_with_parent)
     child = ServiceProcess(name, process)
     threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
-    ready: list[str] = []
-
-    def wait_for_ready() -> None:
-        for line in process.stdout:
-            parsed = parse_ready_line(line)
-            if parsed:
-                ready.append(f"{parsed[0]}:{parsed[1]}")
-                break
-        for _ in process.stdout:  # keep the pipe drained
-            pass
-
-    threading.Thread(target=wait_for_ready, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready:
-        if process.poll() is not None:
-            time.sleep(0.05)  # let the stderr reader catch the last lines
-            raise LaunchError(f"the {name} service exited with code {process.returncode}: "
-                              f"{child.tail() or 'no output'}")
-        if time.monotonic() > deadline:
-            stop([child])
-            raise LaunchError(f"the {name} service did not become ready within {timeout_s:.0f} s")
-        time.sleep(0.02)
-    child.address = ready[0]
+    threading.Thread(target=_read_ready, args=(child,), daemon=True).start()
     return child
+
+
+def _read_ready(child: ServiceProcess) -> None:
+    for line in child.process.stdout:
+        parsed = parse_ready_line(line)
+        if parsed:
+            child.address = f"{parsed[0]}:{parsed[1]}"
+            break
+    for _ in child.process.stdout:  # keep the pipe drained
+        pass
+
+
+def wait_ready(children: list[ServiceProcess], timeout_s: float = 120.0) -> None:
+    """Block until every child has printed its address; a child that exits or stalls is an error."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while not child.address:
+            if child.process.poll() is not None:
+                time.sleep(0.05)  # let the stderr reader catch the last lines
+                raise LaunchError(f"the {child.name} service exited with code {child.process.returncode}: "
+                                  f"{child.tail() or 'no output'}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the {child.name} service did not become ready within {timeout_s:.0f} s")
+            time.sleep(0.02)
 
 
 def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
@@ -101,27 +104,12 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def launched(model: Path, names: tuple[str, ...] = SERVICES) -> Iterator[dict[str, ServiceProcess]]:
-    """Start the services (in parallel), yield name -> process, and always stop them."""
+    """Start the services (they load in parallel), yield name -> process, and always stop them."""
     children: dict[str, ServiceProcess] = {}
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def start(name: str) -> None:
-        try:
-            child = start_service(name, model)
-            with lock:
-                children[name] = child
-        except BaseException as exc:  # noqa: BLE001 - reported below, after every start has finished
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(name,)) for name in names]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        for name in names:
+            children[name] = spawn_service(name, model)
+        wait_ready(list(children.values()))
         yield children
     finally:
         stop(list(children.values()))
