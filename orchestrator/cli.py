@@ -80,8 +80,11 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
             for name, value in arrays.items():
                 info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+                value = np.asarray(value)
+                if not value.flags.c_contiguous:  # one byte layout whatever produced the array
+                    value = value.copy(order="C")
                 with archive.open(info, "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
+                    np.lib.format.write_array(member, value, allow_pickle=False)
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
