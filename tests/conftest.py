@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tools.make_checkpoint import write_checkpoint
@@ -34,3 +36,9 @@ def tiny4_checkpoint(tmp_path_factory) -> Path:
 def tinymix_checkpoint(tmp_path_factory) -> Path:
     """The tiny checkpoint with the 4/5/6/8-bit per-module map over all networks."""
     return _build(tmp_path_factory, "tinymix", mixed_bits=True)
+
+
+def load_golden(name: str) -> tuple[np.lib.npyio.NpzFile, dict]:
+    """A golden's arrays and its `meta` JSON; a missing file is an error (the goldens are in git)."""
+    data = np.load(GOLDEN / f"{name}.npz")
+    return data, json.loads(str(data["meta"]))

@@ -31,8 +31,6 @@ FRAMES = 12  # steps per session: enough to pass the tiny model's 48-key sliding
 
 @pytest.fixture(scope="module")
 def engine_and_goldens(tiny_checkpoint):
-    if not (GOLDEN / "offline_seed7.npz").is_file():
-        pytest.skip("goldens not generated yet (run tests/parity/make_goldens.py)")
     engine_thread = EngineThread("tts-test")
     engine = engine_thread.submit_sync(TTSEngine.load, tiny_checkpoint)
     goldens = {name: np.load(GOLDEN / f"{name}.npz") for name in ("offline", "offline_seed7")}

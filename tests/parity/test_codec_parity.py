@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from services.codec.engine import CodecEngine
+from tests.conftest import load_golden
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 TOLERANCE = 1e-5
@@ -22,10 +23,7 @@ ONLINE = ["online", "online_prompt"]
 
 
 def golden(name: str):
-    path = GOLDEN / f"{name}.npz"
-    if not path.is_file():
-        pytest.skip(f"golden {path.name} not generated yet (run tests/parity/make_goldens.py)")
-    return np.load(path)
+    return load_golden(name)[0]
 
 
 @pytest.fixture(scope="module")

@@ -5,23 +5,18 @@ its projection and the transcript delta events, one 1280-sample push per frame (
 On this machine every float matches bit for bit (max-abs 0); the bound asserted is the issue's 1e-4.
 """
 
-import json
 
 import numpy as np
 import pytest
 
 from services.perception.engine import PerceptionEngine
-from tests.conftest import GOLDEN
+from tests.conftest import load_golden
 
 TOL = 1e-4
 
 
 def _golden(name):
-    path = GOLDEN / f"{name}.npz"
-    if not path.is_file():
-        pytest.skip(f"golden {path.name} not generated yet")
-    data = np.load(path)
-    return data, json.loads(str(data["meta"]))
+    return load_golden(name)
 
 
 def _max_abs(a, b):

@@ -1,7 +1,6 @@
 """EAR-TTS against the reference's goldens: fed the goldens' prompt codes and text ids, every frame's 31 codes
 (raw and after control-code replacement) equal the reference's exactly, offline and online, seeds 0 and 7."""
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,6 +9,7 @@ import pytest
 
 from services.tts.engine import TTSEngine
 from services.tts.prompt import warmup_codes
+from tests.conftest import load_golden
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 # Golden file -> the checkpoint fixture it was made from.
@@ -26,11 +26,7 @@ _engines: dict[str, TTSEngine] = {}
 
 
 def golden(name: str):
-    path = GOLDEN / f"{name}.npz"
-    if not path.is_file():
-        pytest.skip(f"golden {path.name} not generated yet (run tests/parity/make_goldens.py)")
-    data = np.load(path)
-    return data, json.loads(str(data["meta"]))
+    return load_golden(name)
 
 
 def engine_for(request, fixture: str) -> TTSEngine:
