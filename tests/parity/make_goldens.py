@@ -16,6 +16,7 @@ import hashlib
 import json
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,10 +46,18 @@ def np32(x) -> np.ndarray:
 
 
 def save(name: str, arrays: dict, meta: dict) -> None:
+    """A compressed .npz whose bytes depend only on the arrays (fixed zip timestamps), so an unchanged refresh
+    leaves git with nothing to commit."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
     arrays["meta"] = np.array(json.dumps(meta, ensure_ascii=False, sort_keys=True))
     path = OUT / f"{name}.npz"
-    np.savez_compressed(path, **arrays)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for key, value in arrays.items():
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.ascontiguousarray(value) if value.ndim else value,
+                                          allow_pickle=False)
     print(f"{path.name}: {path.stat().st_size / 1024:.0f} KiB", flush=True)
 
 
@@ -175,6 +184,13 @@ def offline(model, tok, seed: int, prompt: str | None) -> tuple[dict, dict]:
     return arrays, meta
 
 
+def slim(arrays: dict, meta: dict) -> tuple[dict, dict]:
+    """Embeddings, ids, codes and first logits: enough to pin a variant without another megabyte of floats."""
+    keep = ("prompt_ids", "audio_embeds", "text_tokens", "function_tokens", "text_logits", "function_logits",
+            "audio_codes_raw", "audio_codes", "prompt_codes", "silence_codes")
+    return {k: arrays[k] for k in keep}, meta
+
+
 def online(model, tok, seed: int, prompt: str | None) -> tuple[dict, dict]:
     sess = model.create_session(tok)
     stream = sess.create_streaming_session(system_prompt=prompt, seed=seed)
@@ -274,7 +290,9 @@ def main() -> None:
             record[f"tiny{suffix}"] = digest(folder)
             model, tok = load(str(folder), strict=True)
             save(f"offline{suffix}", *offline(model, tok, 0, None))
-            if suffix == "":
+            if suffix:
+                save(f"offline_prompt{suffix}", *slim(*offline(model, tok, 0, PROMPT)))
+            else:
                 save("offline_prompt", *offline(model, tok, 0, PROMPT))
                 save("offline_seed7", *offline(model, tok, 7, None))
                 save("online", *online(model, tok, 0, None))

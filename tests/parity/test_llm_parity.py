@@ -44,6 +44,8 @@ CASES = [
     ("offline_prompt", "dense", PROMPT, "float32"),
     ("offline_4bit", "4bit", "", "float32"),
     ("offline_mixed", "mixed", "", "float32"),
+    ("offline_prompt_4bit", "4bit", PROMPT, "float32"),
+    ("offline_prompt_mixed", "mixed", PROMPT, "float32"),
     ("online", "dense", "", "bfloat16"),
     ("online_prompt", "dense", PROMPT, "bfloat16"),
 ]

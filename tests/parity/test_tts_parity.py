@@ -19,6 +19,8 @@ OFFLINE = {
     "offline_seed7": "tiny_checkpoint",
     "offline_4bit": "tiny4_checkpoint",
     "offline_mixed": "tinymix_checkpoint",
+    "offline_prompt_4bit": "tiny4_checkpoint",
+    "offline_prompt_mixed": "tinymix_checkpoint",
 }
 ONLINE = ["online", "online_prompt"]
 
