@@ -227,6 +227,11 @@ class Plan:
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned codes into uint32 words as one little-endian bitstream per row (MLX's layout)."""
     rows, cols = codes.shape
+    if 32 % bits == 0:  # whole codes per word: shift and add, without the per-bit detour
+        per_word = 32 // bits
+        shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
+        return (codes.reshape(rows, cols // per_word, per_word).astype(np.uint32) << shifts).sum(
+            axis=2, dtype=np.uint32)
     shifts = np.arange(bits, dtype=np.uint32)
     stream = ((codes[..., None] >> shifts) & 1).astype(np.uint8).reshape(rows, cols * bits)
     packed = np.packbits(stream, axis=1, bitorder="little")

@@ -209,3 +209,13 @@ def test_sharded_checkpoints_load_through_the_index(tmp_path, tiny_checkpoint):
     b = Checkpoint(tiny_checkpoint).load(ALL)
     assert sorted(a.keys()) == sorted(b.keys())
     assert all(mx.array_equal(a.get(k), b.get(k)) for k in b.keys())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packed_codes_dequantize_to_themselves_in_mlx(bits):
+    from tools.make_checkpoint import pack_bits
+
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (8, 128), dtype=np.uint32)
+    ones, zeros = mx.ones((8, 2)), mx.zeros((8, 2))
+    got = mx.dequantize(mx.array(pack_bits(codes, bits)), ones, zeros, group_size=64, bits=bits)
+    assert np.array_equal(np.array(got), codes.astype(np.float32))
