@@ -1,0 +1,29 @@
+"""The benchmarks run end to end on the tiny checkpoint (the shape of their output only: no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import service, stages
+
+
+@pytest.mark.parametrize("name", ["llm", "tts"])
+def test_service_bench_reports_throughput_latency_and_transport(tiny_checkpoint, capsys, name):
+    assert service.main([name, "--model", str(tiny_checkpoint), "--sessions", "2", "--frames", "3",
+                         "--warmup", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["service"] == name and report["grpc"]["sessions"] == 2
+    assert report["grpc"]["frames_per_second"] > 0
+    for row in (report["grpc"], report["grpc_one_session"], report["in_process_one_session"]):
+        assert 0 < row["latency_p50_ms"] <= row["latency_p95_ms"]
+    assert isinstance(report["transport_ms_p50"], float)
+
+
+def test_stage_bench_reports_every_stage(tiny_checkpoint, capsys):
+    assert stages.main(["--model", str(tiny_checkpoint), "--frames", "4", "--warmup", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["stages"]) == {"perception", "language", "tts", "codec"}
+    assert report["frames"] == 4 and report["realtime_factor"] > 0
+    assert all(0 < row["p50_ms"] <= row["p95_ms"] for row in report["stages"].values())
