@@ -1,0 +1,57 @@
+"""Times the reference implementation; run by bench/rtf.py with the reference's own Python, never imported.
+
+    .ref/bin/python bench/reference_driver.py offline --model DIR --seconds S [--cached] [--repeat N]
+
+Prints one JSON object: wall seconds per run of `VoiceChatSession.generate` on examples/question.wav padded with
+silence to S seconds (the same input bench/rtf.py gives our stack), and the frame count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import wave
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def question_padded(seconds: float) -> np.ndarray:
+    with wave.open(str(ROOT / "examples" / "question.wav")) as wav:
+        speech = np.frombuffer(wav.readframes(wav.getnframes()), "<i2").astype(np.float32) / 32768
+    total = max(len(speech), round(seconds * 16_000))
+    return np.concatenate([speech, np.zeros(total - len(speech), np.float32)])
+
+
+def offline(model: str, seconds: float, cached: bool, repeat: int) -> dict:
+    from mlx_vlm.utils import load
+
+    loaded, tokenizer = load(model)
+    session = loaded.create_session(tokenizer)
+    audio = mx.array(question_padded(seconds))
+    runs, frames = [], 0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = session.generate(audio, extra_decoding_seconds=0.0, seed=0, use_language_cache=cached)
+        runs.append(time.perf_counter() - start)
+        frames = int(result.text_tokens.shape[0])
+    return {"runs_s": runs, "frames": frames, "device": str(mx.default_device())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["offline"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--cached", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    print(json.dumps(offline(args.model, args.seconds, args.cached, args.repeat)))
+
+
+if __name__ == "__main__":
+    main()
