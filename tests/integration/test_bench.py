@@ -32,7 +32,7 @@ def test_stage_bench_reports_every_stage(tiny_checkpoint, capsys):
 def test_rtf_offline_reports_each_length(tiny_checkpoint, capsys):
     from bench import rtf
 
-    assert rtf.main(["offline", "--model", str(tiny_checkpoint), "--lengths", "1,2", "--ours-only", "--json"]) == 0
+    assert rtf.main(["offline", "--model", str(tiny_checkpoint), "--lengths", "3,4", "--ours-only", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(r["input_s"], r["stack"]) for r in rows] == [(1.0, "ours (cached)"), (2.0, "ours (cached)")]
+    assert [(r["input_s"], r["stack"]) for r in rows] == [(3.0, "ours (cached)"), (4.0, "ours (cached)")]
     assert rows[0]["frames"] < rows[1]["frames"] and all(r["ms_per_frame"] > 0 for r in rows)
