@@ -4,6 +4,11 @@
                                 [--output-audio OUT.wav] [--dump OUT.npz] [--json]
                                 [--services perception=HOST:PORT,llm=...,tts=...,codec=...] [--in-process]
 
+    orchestrator stream IN.wav [--model DIR] [-p PROMPT] [--seed N] [--chunk-ms M] [--realtime] [--profile]
+                               [--output-audio OUT.wav] [--dump OUT.npz] [--sequential] [--max-streaming-seconds S]
+                               [--services ...] [--in-process]
+    orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
+
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
 """
@@ -22,9 +27,13 @@ import numpy as np
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
 from orchestrator.connect import ServiceError, connect, parse_services
 from orchestrator.model import resolve_model
+from orchestrator.profile import MonotonicClock
+from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
+from orchestrator.stream_clients import connect_streams
 from orchestrator.text import TextDecoder
 from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
+from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
 
 
@@ -55,7 +64,42 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--force", action="store_true", help="overwrite an existing output file")
     offline.add_argument("--dump", type=Path, help="write every intermediate array to this .npz")
     offline.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    _add_stream_parser(commands)
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_stream_parser(commands) -> None:
+    stream = commands.add_parser("stream",
+                                  help="the online session: push the file in chunks, print events as they come")
+    stream.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
+    _add_connection_flags(stream)
+    stream.add_argument("-p", "--system-prompt", default=None, help="system prompt (default: the checkpoint's)")
+    stream.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
+    stream.add_argument("--extra-decoding-seconds", type=float, default=3.0,
+                        help="silence pushed after the file so the model can finish answering (default 3)")
+    stream.add_argument("--chunk-ms", type=float, default=80.0, help="push size in milliseconds (default 80)")
+    stream.add_argument("--realtime", action="store_true", help="pace the pushes like a live microphone")
+    stream.add_argument("--sequential", action="store_true", help="run the stages one after another (no pipelining)")
+    stream.add_argument("--max-streaming-seconds", type=float, default=None, help="bound on the session's input")
+    stream.add_argument("--profile", action="store_true",
+                        help="print per-stage timings and the real-time factor (JSON)")
+    stream.add_argument("--drop-cold-frames", type=int, default=5, help="frames left out of --profile (default 5)")
+    stream.add_argument("--output-audio", type=Path, default=Path("response.wav"),
+                        help="the audio events as one WAV, 22050 Hz mono PCM16 (default response.wav)")
+    stream.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    stream.add_argument("--dump", type=Path, help="write the streamed arrays and events to this .npz")
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="the gRPC conversation service (one duplex stream per conversation)")
+    _add_connection_flags(serve)
+    serve.add_argument("--host", default="[::]", help="address to bind (default [::])")
+    serve.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
+    serve.add_argument("--max-sessions", type=int, default=4, help="concurrent conversations (default 4)")
+    serve.add_argument("--max-streaming-seconds", type=float, default=600.0,
+                       help="upper bound on one conversation's input audio (default 600)")
+    serve.add_argument("--sequential", action="store_true", help="run each session's stages without pipelining")
 
 
 def dump_offline(path: Path, result: OfflineResult, meta: dict) -> None:
@@ -131,12 +175,139 @@ def offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream(args: argparse.Namespace) -> int:
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be non-negative")
+    if args.extra_decoding_seconds < 0:
+        raise UsageError(f"--extra-decoding-seconds {args.extra_decoding_seconds}: must be non-negative")
+    if not args.chunk_ms > 0:
+        raise UsageError(f"--chunk-ms {args.chunk_ms}: must be positive")
+    if args.max_streaming_seconds is not None and not args.max_streaming_seconds > 0:
+        raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
+    if args.drop_cold_frames < 0:
+        raise UsageError(f"--drop-cold-frames {args.drop_cold_frames}: must be non-negative")
+    check_writable(args.output_audio, overwrite=args.force)
+    if args.dump:
+        check_writable(args.dump, overwrite=args.force)
+    model = resolve_model(args.model)
+    config = VoiceChatConfig.load(model)
+    waveform = read_audio(args.input, config.input_sample_rate)
+    waveform = append_silence(waveform, args.extra_decoding_seconds, config.input_sample_rate)
+    chunk = max(1, round(args.chunk_ms * config.input_sample_rate / 1000))
+    decoder = TextDecoder(model, config)
+    events = []
+
+    def show(event) -> None:
+        events.append(event)
+        if event.kind == "assistant_text_delta":
+            sys.stdout.write(event.delta)
+            sys.stdout.flush()
+
+    with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
+        session = OnlineSession(clients, config, decoder, system_prompt=args.system_prompt, seed=args.seed,
+                                max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
+                                profile=args.profile, record=bool(args.dump), on_event=show,
+                                rnnt_vocabulary=transcript_vocabulary(model, config))
+        with session:
+            drive(session, waveform, chunk, realtime=args.realtime, clock=MonotonicClock())
+    failure = next((e for e in events if e.kind == "error"), None)
+    if failure is not None:
+        raise ServiceError(failure.message)
+    audio_events = [e for e in events if e.kind == "audio"]
+    audio = (np.concatenate([e.samples for e in audio_events]) if audio_events else np.zeros(0, np.float32))
+    texts = {kind: "" for kind in ("user_transcript_delta", "assistant_text_delta", "function_delta")}
+    for event in events:
+        if event.kind in texts:
+            texts[event.kind] = event.text
+    print()
+    print(f"[user] {texts['user_transcript_delta']}")
+    if texts["function_delta"]:
+        print(f"[function] {texts['function_delta']}")
+    write_wav(args.output_audio, audio, config.output_sample_rate)
+    if args.dump:
+        dump_stream(args.dump, session, events, texts)
+    if args.profile:
+        print(json.dumps(session.profile.summary(drop_first=args.drop_cold_frames)))
+    print(f"wrote {args.output_audio} ({len(audio) / config.output_sample_rate:.2f} s)", file=sys.stderr)
+    return 0
+
+
+def drive(session, waveform: np.ndarray, chunk: int, *, realtime: bool, clock) -> None:
+    """Push `waveform` in `chunk`-sample pieces (at the audio's own pace with `realtime`), then flush."""
+    start = clock.now()
+    rate = session.sample_rate
+    for offset in range(0, len(waveform), chunk):
+        if realtime:  # a live microphone delivers a chunk once its last sample has been spoken
+            clock.sleep(start + min(offset + chunk, len(waveform)) / rate - clock.now())
+        session.push_audio(waveform[offset : offset + chunk], rate)
+    session.flush(pad_partial=True)
+
+
+def dump_stream(path: Path, session, events: list, texts: dict[str, str]) -> None:
+    records = session.records
+    hidden = session.prompt_embeds.shape[1]
+    embeds = np.stack([r.audio_embedding for r in records]) if records else np.zeros((0, hidden), np.float32)
+    frame_index = {kind: np.array([e.frame_index for e in events if e.kind == kind], dtype=np.int64)
+                   for kind in ("assistant_text_delta", "function_delta", "user_transcript_delta")}
+    audio_events = [e for e in events if e.kind == "audio"]
+    meta = {
+        "transcript": texts["user_transcript_delta"],
+        "text": texts["assistant_text_delta"],
+        "function_text": texts["function_delta"],
+        "prompt_frames": session.prompt_positions,
+        "frames": len(records),
+        "sample_rate": session.config.output_sample_rate,
+        "events": [e.describe() for e in events if e.kind not in ("audio", "error")],
+    }
+    arrays = {
+        "encoder": np.stack([r.encoder_out for r in records]) if records else np.zeros((0, 0), np.float32),
+        "audio_embeds": np.concatenate([session.prompt_embeds, embeds]),
+        "text_tokens": np.array([r.text_id for r in records], dtype=np.int32),
+        "function_tokens": np.array([r.function_id for r in records], dtype=np.int32),
+        "raw_codes": np.stack([r.raw_codes for r in records]).astype(np.int32),
+        "audio_codes": np.stack([e.audio_codes for e in audio_events]).astype(np.int32),
+        "audio": np.concatenate([e.samples for e in audio_events]).astype(np.float32),
+        "prompt_codes": session.prompt_codes,
+        "frame_index_text": frame_index["assistant_text_delta"],
+        "frame_index_function": frame_index["function_delta"],
+        "frame_index_transcript": frame_index["user_transcript_delta"],
+        "meta": np.array(json.dumps(meta, ensure_ascii=False, sort_keys=True)),
+    }
+    save_npz(path, arrays)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from orchestrator.conversation import run_server
+
+    if args.max_sessions <= 0:
+        raise UsageError(f"--max-sessions {args.max_sessions}: must be positive")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be 0..65535")
+    if not args.max_streaming_seconds > 0:
+        raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
+    model = resolve_model(args.model)
+    with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
+        run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
+                   max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    code = _run(args)
+    if argv is None and getattr(args, "in_process", False):
+        # As a program with engines on their own threads: MLX aborts in interpreter teardown (as the services
+        # do, see exit_process), so leave once the output is flushed. Callers passing argv (tests) get the code.
+        exit_process(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
-        return {"offline": offline}[args.command](args)
-    except (UsageError, AudioError, CheckpointError, ConfigError, ServiceError, ValueError) as exc:
+        return {"offline": offline, "stream": stream, "serve": serve}[args.command](args)
+    except (UsageError, AudioError, CheckpointError, ConfigError, ServiceError, ContextLimitError,
+            ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
+        self.live_sessions = 0  # open DecodeStream sessions
 
     @property
     def engine(self) -> CodecEngine:
@@ -60,19 +61,24 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
             raise ValueError("the first DecodeStream message must be `open`")
         engine = self.engine
         stream = engine.open_stream()
-        yield codec_pb2.CodecDecodeStreamResponse(
-            opened=codec_pb2.CodecDecodeOpened(
-                samples_per_frame=engine.samples_per_frame, sample_rate_hz=engine.sample_rate
-            )
-        )
-        async for request in request_iterator:
-            if request.WhichOneof("payload") != "frame":
-                raise ValueError("after `open`, every DecodeStream message must be a `frame`")
-            frame = request.frame
-            samples = await self.engine_thread.run(stream.decode_frame, frame.frame_index, from_proto_np(frame.codes))
+        self.live_sessions += 1
+        try:
             yield codec_pb2.CodecDecodeStreamResponse(
-                frame=codec_pb2.CodecDecodedFrame(frame_index=frame.frame_index, samples=to_proto_np(samples))
+                opened=codec_pb2.CodecDecodeOpened(
+                    samples_per_frame=engine.samples_per_frame, sample_rate_hz=engine.sample_rate
+                )
             )
+            async for request in request_iterator:
+                if request.WhichOneof("payload") != "frame":
+                    raise ValueError("after `open`, every DecodeStream message must be a `frame`")
+                frame = request.frame
+                samples = await self.engine_thread.run(
+                    stream.decode_frame, frame.frame_index, from_proto_np(frame.codes))
+                yield codec_pb2.CodecDecodeStreamResponse(
+                    frame=codec_pb2.CodecDecodedFrame(frame_index=frame.frame_index, samples=to_proto_np(samples))
+                )
+        finally:
+            self.live_sessions -= 1
 
 
 def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> ServiceSpec:

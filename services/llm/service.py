@@ -36,6 +36,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
+        self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -57,6 +58,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         if spec.prefix_precision not in PREFIX_DTYPES:
             raise ValueError(f"LanguageOpen.prefix_precision {spec.prefix_precision} is not a known PrefixPrecision")
         session, opened = await self.engine_thread.run(_open, engine, spec)
+        self.live_sessions += 1
         try:
             yield language_pb2.LanguageStreamResponse(opened=opened)
             async for request in request_iterator:
@@ -70,6 +72,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
             # step still running for it; a closed engine thread (shutdown) frees everything anyway.
+            self.live_sessions -= 1
             with contextlib.suppress(RuntimeError):
                 self.engine_thread.submit(engine.close_session, session)
 

@@ -25,6 +25,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
+        self.live_sessions = 0  # open Stream sessions
 
     async def load(self, model_dir: str | Path) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
@@ -57,20 +58,24 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
         self._check_rate(first.open.sample_rate_hz)
         engine = self.engine
         stream = await self.engine_thread.run(engine.open_stream)
-        yield perception_pb2.PerceptionStreamResponse(
-            opened=perception_pb2.PerceptionOpened(frame_samples=engine.frame_samples,
-                                                   embedding_dim=engine.embedding_dim)
-        )
-        async for request in request_iterator:
-            if request.WhichOneof("payload") != "frame":
-                raise ValueError(f"after `open` every Stream message must be `frame`, got "
-                                 f"{request.WhichOneof('payload') or 'an empty message'}")
-            frame = request.frame
-            if frame.frame_index != stream.frame_index:
-                raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
-            if not frame.HasField("samples"):
-                raise ValueError(f"frame {frame.frame_index} has no samples")
-            yield await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+        self.live_sessions += 1
+        try:
+            yield perception_pb2.PerceptionStreamResponse(
+                opened=perception_pb2.PerceptionOpened(frame_samples=engine.frame_samples,
+                                                       embedding_dim=engine.embedding_dim)
+            )
+            async for request in request_iterator:
+                if request.WhichOneof("payload") != "frame":
+                    raise ValueError(f"after `open` every Stream message must be `frame`, got "
+                                     f"{request.WhichOneof('payload') or 'an empty message'}")
+                frame = request.frame
+                if frame.frame_index != stream.frame_index:
+                    raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
+                if not frame.HasField("samples"):
+                    raise ValueError(f"frame {frame.frame_index} has no samples")
+                yield await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+        finally:
+            self.live_sessions -= 1
 
 
 # These run on the engine thread: reading an MLX array's bytes evaluates it, which must happen there.

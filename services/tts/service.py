@@ -26,6 +26,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None):
         self.engine_thread = engine_thread
         self.engine = engine
+        self.live_sessions = 0  # open Stream sessions
 
     async def load(self, model_dir: str | Path) -> None:
         self.engine = await self.engine_thread.run(TTSEngine.load, model_dir)
@@ -61,16 +62,21 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         session = await self.engine_thread.run(
             self.engine.open_session, opening.seed, from_proto_np(opening.prompt_codes), opening.prefix_steps
         )
-        yield speech_pb2.SpeechStreamResponse(opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
-        expected: int | None = None
-        async for request in request_iterator:
-            if request.WhichOneof("payload") != "step":
-                raise ValueError("after `open`, every SpeechStream message must be a `step`")
-            step = request.step
-            if step.frame_index < 0 or (expected is not None and step.frame_index != expected):
-                want = "a non-negative index" if expected is None else str(expected)
-                raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
-            raw, clean = await self.engine_thread.run(session.step, step.text_token_id)
-            expected = step.frame_index + 1
-            yield speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
-                frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
+        self.live_sessions += 1
+        try:
+            yield speech_pb2.SpeechStreamResponse(
+                opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
+            expected: int | None = None
+            async for request in request_iterator:
+                if request.WhichOneof("payload") != "step":
+                    raise ValueError("after `open`, every SpeechStream message must be a `step`")
+                step = request.step
+                if step.frame_index < 0 or (expected is not None and step.frame_index != expected):
+                    want = "a non-negative index" if expected is None else str(expected)
+                    raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
+                raw, clean = await self.engine_thread.run(session.step, step.text_token_id)
+                expected = step.frame_index + 1
+                yield speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
+                    frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
+        finally:
+            self.live_sessions -= 1

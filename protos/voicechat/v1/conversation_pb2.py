@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/voicechat/v1/conversation.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\xc0\x01\n\x0f\x43onverseRequest\x12,\n\tconfigure\x18\x01 \x01(\x0b\x32\x17.voicechat.v1.ConfigureH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.voicechat.v1.AudioInH\x00\x12$\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x13.voicechat.v1.FlushH\x00\x12&\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.CancelH\x00\x42\t\n\x07message\"g\n\tConfigure\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x1d\n\x15max_streaming_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\"f\n\x07\x41udioIn\x12\x0f\n\x05pcm16\x18\x01 \x01(\x0cH\x00\x12\'\n\x07\x66loat32\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x42\t\n\x07samples\"1\n\x05\x46lush\x12\x18\n\x0bpad_partial\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_pad_partial\"\x08\n\x06\x43\x61ncel\"\xf4\x02\n\x10\x43onverseResponse\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SessionReadyH\x00\x12\x33\n\ntranscript\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.TranscriptDeltaH\x00\x12\'\n\x04text\x18\x03 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12+\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12\'\n\x05\x61udio\x18\x05 \x01(\x0b\x32\x16.voicechat.v1.AudioOutH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.voicechat.v1.DoneH\x00\x12,\n\tcancelled\x18\x07 \x01(\x0b\x32\x17.voicechat.v1.CancelledH\x00\x12$\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.voicechat.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"v\n\x0cSessionReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rframe_samples\x18\x02 \x01(\x05\x12\x1d\n\x15output_sample_rate_hz\x18\x03 \x01(\x05\x12\x1c\n\x14input_sample_rate_hz\x18\x04 \x01(\x05\"I\n\x0fTranscriptDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x12\n\ntranscript\x18\x03 \x01(\t\"O\n\tTextDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"s\n\x08\x41udioOut\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x13\n\x0b\x61udio_codes\x18\x03 \x03(\x05\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\"\x1b\n\x04\x44one\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\" \n\tCancelled\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\"?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.voicechat.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*\xf4\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12,\n(ERROR_CODE_SESSION_INITIALIZATION_FAILED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_INFERENCE_ERROR\x10\x03\x12\x1d\n\x19\x45RROR_CODE_LIMIT_EXCEEDED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_SERVER_BUSY\x10\x05\x12\"\n\x1e\x45RROR_CODE_SERVICE_UNAVAILABLE\x10\x06\x32\x64\n\x13\x43onversationService\x12M\n\x08\x43onverse\x12\x1d.voicechat.v1.ConverseRequest\x1a\x1e.voicechat.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/voicechat/v1/conversation.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\xc0\x01\n\x0f\x43onverseRequest\x12,\n\tconfigure\x18\x01 \x01(\x0b\x32\x17.voicechat.v1.ConfigureH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.voicechat.v1.AudioInH\x00\x12$\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x13.voicechat.v1.FlushH\x00\x12&\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.CancelH\x00\x42\t\n\x07message\"g\n\tConfigure\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x1d\n\x15max_streaming_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\"f\n\x07\x41udioIn\x12\x0f\n\x05pcm16\x18\x01 \x01(\x0cH\x00\x12\'\n\x07\x66loat32\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x42\t\n\x07samples\"1\n\x05\x46lush\x12\x18\n\x0bpad_partial\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_pad_partial\"\x08\n\x06\x43\x61ncel\"\xf4\x02\n\x10\x43onverseResponse\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SessionReadyH\x00\x12\x33\n\ntranscript\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.TranscriptDeltaH\x00\x12\'\n\x04text\x18\x03 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12+\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12\'\n\x05\x61udio\x18\x05 \x01(\x0b\x32\x16.voicechat.v1.AudioOutH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.voicechat.v1.DoneH\x00\x12,\n\tcancelled\x18\x07 \x01(\x0b\x32\x17.voicechat.v1.CancelledH\x00\x12$\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.voicechat.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"v\n\x0cSessionReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rframe_samples\x18\x02 \x01(\x05\x12\x1d\n\x15output_sample_rate_hz\x18\x03 \x01(\x05\x12\x1c\n\x14input_sample_rate_hz\x18\x04 \x01(\x05\"I\n\x0fTranscriptDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x12\n\ntranscript\x18\x03 \x01(\t\"O\n\tTextDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x86\x01\n\x08\x41udioOut\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x13\n\x0b\x61udio_codes\x18\x03 \x03(\x05\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x11\n\traw_codes\x18\x05 \x03(\x05\"\x1b\n\x04\x44one\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\" \n\tCancelled\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\"?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.voicechat.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*\xf4\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12,\n(ERROR_CODE_SESSION_INITIALIZATION_FAILED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_INFERENCE_ERROR\x10\x03\x12\x1d\n\x19\x45RROR_CODE_LIMIT_EXCEEDED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_SERVER_BUSY\x10\x05\x12\"\n\x1e\x45RROR_CODE_SERVICE_UNAVAILABLE\x10\x06\x32\x64\n\x13\x43onversationService\x12M\n\x08\x43onverse\x12\x1d.voicechat.v1.ConverseRequest\x1a\x1e.voicechat.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.conversation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=1452
-  _globals['_ERRORCODE']._serialized_end=1696
+  _globals['_ERRORCODE']._serialized_start=1472
+  _globals['_ERRORCODE']._serialized_end=1716
   _globals['_CONVERSEREQUEST']._serialized_start=91
   _globals['_CONVERSEREQUEST']._serialized_end=283
   _globals['_CONFIGURE']._serialized_start=285
@@ -52,14 +52,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSCRIPTDELTA']._serialized_end=1123
   _globals['_TEXTDELTA']._serialized_start=1125
   _globals['_TEXTDELTA']._serialized_end=1204
-  _globals['_AUDIOOUT']._serialized_start=1206
-  _globals['_AUDIOOUT']._serialized_end=1321
-  _globals['_DONE']._serialized_start=1323
-  _globals['_DONE']._serialized_end=1350
-  _globals['_CANCELLED']._serialized_start=1352
-  _globals['_CANCELLED']._serialized_end=1384
-  _globals['_ERROR']._serialized_start=1386
-  _globals['_ERROR']._serialized_end=1449
-  _globals['_CONVERSATIONSERVICE']._serialized_start=1698
-  _globals['_CONVERSATIONSERVICE']._serialized_end=1798
+  _globals['_AUDIOOUT']._serialized_start=1207
+  _globals['_AUDIOOUT']._serialized_end=1341
+  _globals['_DONE']._serialized_start=1343
+  _globals['_DONE']._serialized_end=1370
+  _globals['_CANCELLED']._serialized_start=1372
+  _globals['_CANCELLED']._serialized_end=1404
+  _globals['_ERROR']._serialized_start=1406
+  _globals['_ERROR']._serialized_end=1469
+  _globals['_CONVERSATIONSERVICE']._serialized_start=1718
+  _globals['_CONVERSATIONSERVICE']._serialized_end=1818
 # @@protoc_insertion_point(module_scope)

@@ -124,16 +124,18 @@ class TextDelta(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., token_id: _Optional[int] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class AudioOut(_message.Message):
-    __slots__ = ("frame_index", "samples", "audio_codes", "sample_rate_hz")
+    __slots__ = ("frame_index", "samples", "audio_codes", "sample_rate_hz", "raw_codes")
     FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_CODES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    RAW_CODES_FIELD_NUMBER: _ClassVar[int]
     frame_index: int
     samples: _tensor_pb2.Tensor
     audio_codes: _containers.RepeatedScalarFieldContainer[int]
     sample_rate_hz: int
-    def __init__(self, frame_index: _Optional[int] = ..., samples: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., audio_codes: _Optional[_Iterable[int]] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
+    raw_codes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, frame_index: _Optional[int] = ..., samples: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., audio_codes: _Optional[_Iterable[int]] = ..., sample_rate_hz: _Optional[int] = ..., raw_codes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("frame_index",)

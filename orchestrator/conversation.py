@@ -1,0 +1,276 @@
+"""The orchestrator's own gRPC service: one bidirectional Converse stream per conversation.
+
+    client -> Configure, AudioIn..., Flush (or Cancel), then half-close
+    server <- SessionReady, TranscriptDelta / TextDelta / AudioOut ... in frame order, Done (or Cancelled)
+
+Each stream owns one OnlineSession (its own stream on every network service), so conversations are isolated;
+at most `max_sessions` run at once (SERVER_BUSY beyond). Bad input (a wrong rate, non-finite samples, audio
+after Flush) is answered with an INVALID_REQUEST Error and the conversation goes on; running past
+max_streaming_seconds (LIMIT_EXCEEDED) or a failed service (SERVICE_UNAVAILABLE, INFERENCE_ERROR) ends it with
+that Error. However a stream ends (Done, error, or a client that vanished) every service session is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.clients import ServiceError
+from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
+from orchestrator.stream_clients import StreamClients
+from orchestrator.text import TextDecoder
+from protos.voicechat.v1 import conversation_pb2 as pb
+from protos.voicechat.v1 import conversation_pb2_grpc
+from services.common.cli import announce
+from services.common.config import VoiceChatConfig
+from services.common.server import full_service_name, serve
+from services.common.tensors import from_proto_np, to_proto_np
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = full_service_name(pb, "ConversationService")
+TERMINAL_HOLD_S = 1.0  # how long Done/Cancelled waits for the client to half-close (errors for late messages)
+_READER_DONE = object()
+
+
+class _Fatal(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _error(code: int, message: str) -> pb.ConverseResponse:
+    return pb.ConverseResponse(error=pb.Error(code=code, message=message))
+
+
+def event_to_proto(event: Event, sample_rate_hz: int) -> pb.ConverseResponse:
+    kind = event.kind
+    if kind == "user_transcript_delta":
+        return pb.ConverseResponse(transcript=pb.TranscriptDelta(
+            frame_index=event.frame_index, delta=event.delta, transcript=event.text))
+    if kind in ("assistant_text_delta", "function_delta"):
+        delta = pb.TextDelta(frame_index=event.frame_index, token_id=event.token_id, delta=event.delta,
+                             text=event.text)
+        return pb.ConverseResponse(text=delta) if kind == "assistant_text_delta" else pb.ConverseResponse(
+            function=delta)
+    if kind == "audio":
+        return pb.ConverseResponse(audio=pb.AudioOut(
+            frame_index=event.frame_index, samples=to_proto_np(event.samples.astype(np.float32)),
+            audio_codes=event.audio_codes.tolist(), raw_codes=event.raw_codes.tolist(), sample_rate_hz=sample_rate_hz))
+    if kind == "done":
+        return pb.ConverseResponse(done=pb.Done(frame_index=event.frame_index))
+    if kind == "cancelled":
+        return pb.ConverseResponse(cancelled=pb.Cancelled(frame_index=event.frame_index))
+    raise ValueError(f"no message for event kind {kind!r}")
+
+
+def audio_samples(audio: pb.AudioIn, rate_hz: int) -> np.ndarray:
+    """An AudioIn chunk as float32 (N,); ValueError naming what is wrong."""
+    if audio.sample_rate_hz not in (0, rate_hz):
+        raise ValueError(f"AudioIn.sample_rate_hz {audio.sample_rate_hz}: this conversation takes {rate_hz} Hz "
+                         "audio; resample first")
+    which = audio.WhichOneof("samples")
+    if which == "pcm16":
+        if len(audio.pcm16) % 2:
+            raise ValueError(f"AudioIn.pcm16 has {len(audio.pcm16)} bytes; PCM16 needs an even count")
+        return np.frombuffer(audio.pcm16, dtype="<i2").astype(np.float32) / 32768.0
+    if which == "float32":
+        samples = from_proto_np(audio.float32)
+        if samples.dtype != np.float32 or samples.ndim != 1:
+            raise ValueError(f"AudioIn.float32 must be float32 of shape (N,), got {samples.dtype} {samples.shape}")
+        return samples
+    raise ValueError("AudioIn carries no samples (set pcm16 or float32)")
+
+
+class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
+    def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
+                 max_streaming_seconds: float = 600.0, pipelined: bool = True):
+        self.clients = clients
+        self.config = VoiceChatConfig.load(model_dir)
+        self.decoder = TextDecoder(model_dir, self.config)
+        self.vocabulary = transcript_vocabulary(model_dir, self.config)
+        self.max_sessions = max_sessions
+        self.max_streaming_seconds = max_streaming_seconds
+        self.pipelined = pipelined
+        self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
+        self._ids = itertools.count(1)
+
+    def _seconds(self, requested: float) -> float:
+        if requested < 0:
+            raise ValueError(f"Configure.max_streaming_seconds {requested} must be >= 0 (0 = the server's limit)")
+        return self.max_streaming_seconds if requested == 0 else min(requested, self.max_streaming_seconds)
+
+    async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
+                       context) -> AsyncIterator[pb.ConverseResponse]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        session: OnlineSession | None = None
+        slot = False
+        reader: asyncio.Task | None = None
+        try:
+            while session is None:  # Configure (again after SESSION_INITIALIZATION_FAILED)
+                request = await anext(request_iterator, None)
+                if request is None:
+                    return
+                kind = request.WhichOneof("message")
+                if kind != "configure":
+                    yield _error(pb.ERROR_CODE_INVALID_REQUEST,
+                                 f"the first message must be `configure`, got {kind or 'an empty message'}")
+                    continue
+                spec = request.configure
+                try:
+                    if spec.sample_rate_hz not in (0, self.config.input_sample_rate):
+                        raise ValueError(f"Configure.sample_rate_hz {spec.sample_rate_hz}: only "
+                                         f"{self.config.input_sample_rate} Hz is accepted")
+                    seconds = self._seconds(spec.max_streaming_seconds)
+                except ValueError as exc:
+                    yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
+                    continue
+                if self.live_sessions >= self.max_sessions:
+                    yield _error(pb.ERROR_CODE_SERVER_BUSY,
+                                 f"all {self.max_sessions} conversation slots are taken; try again later")
+                    return
+                self.live_sessions += 1
+                slot = True
+
+                def deliver(event: Event) -> None:
+                    loop.call_soon_threadsafe(out.put_nowait, event)
+
+                try:
+                    session = await asyncio.to_thread(
+                        OnlineSession, self.clients, self.config, self.decoder,
+                        system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
+                        pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary)
+                except ServiceError as exc:
+                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
+                    return
+                except ValueError as exc:
+                    self.live_sessions -= 1
+                    slot = False
+                    yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
+                    continue
+            driving = threading.Lock()  # one session call at a time; close waits for a call in flight
+
+            def drive(method, *args):
+                with driving:
+                    return method(*args)
+
+            yield pb.ConverseResponse(ready=pb.SessionReady(
+                session_id=f"conversation-{next(self._ids)}", frame_samples=session.frame_samples,
+                output_sample_rate_hz=self.config.output_sample_rate,
+                input_sample_rate_hz=self.config.input_sample_rate))
+            reader = asyncio.create_task(self._read(request_iterator, session, drive, out))
+            async for message in self._write(session, out, reader):
+                yield message
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if session is not None:
+                closing = loop.run_in_executor(None, drive, session.close)
+                closing.add_done_callback(lambda _: self._release())
+            elif slot:
+                self._release()
+
+    def _release(self) -> None:
+        self.live_sessions -= 1
+
+    async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue) -> None:
+        """Apply the client's messages in order; problems go to `out` as (code, message) or _Fatal."""
+        ended = False
+        rate = self.config.input_sample_rate
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("message")
+                if ended:
+                    out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, f"`{kind}` after Flush or Cancel: the session is "
+                                    "closed; open a new Converse stream"))
+                    continue
+                try:
+                    if kind == "audio":
+                        try:
+                            samples = audio_samples(request.audio, rate)
+                        except ValueError as exc:
+                            out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, str(exc)))
+                            continue
+                        await asyncio.to_thread(drive, session.push_audio, samples, rate)
+                    elif kind == "flush":
+                        ended = True
+                        pad = request.flush.pad_partial if request.flush.HasField("pad_partial") else True
+                        await asyncio.to_thread(drive, session.flush, pad)
+                    elif kind == "cancel":
+                        ended = True
+                        await asyncio.to_thread(drive, session.cancel)
+                    else:
+                        out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST,
+                                        f"`{kind or 'an empty message'}` is not allowed after Configure"))
+                except ContextLimitError as exc:
+                    out.put_nowait(_Fatal(pb.ERROR_CODE_LIMIT_EXCEEDED, str(exc)))
+                    return
+                except ServiceError as exc:
+                    out.put_nowait(_Fatal(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc)))
+                    return
+                except ValueError as exc:  # bad samples, audio after the session closed: the session goes on
+                    out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, str(exc)))
+                except Exception as exc:  # noqa: BLE001 - a model failure ends this conversation only
+                    log.exception("conversation failed")
+                    out.put_nowait(_Fatal(pb.ERROR_CODE_INFERENCE_ERROR, f"{type(exc).__name__}: {exc}"))
+                    return
+            if not ended:  # a half-close without Flush flushes
+                try:
+                    await asyncio.to_thread(drive, session.flush, True)
+                except Exception as exc:  # noqa: BLE001
+                    out.put_nowait(_Fatal(pb.ERROR_CODE_INFERENCE_ERROR, f"{type(exc).__name__}: {exc}"))
+        finally:
+            out.put_nowait(_READER_DONE)
+
+    async def _write(self, session: OnlineSession, out: asyncio.Queue, reader: asyncio.Task):
+        """Events and errors in order; Done/Cancelled last, held until the client half-closes (or 1 s)."""
+        rate = self.config.output_sample_rate
+        terminal: Event | None = None
+        reader_done = False
+        while True:
+            if reader_done and (terminal is not None or out.empty()):
+                if terminal is not None:
+                    yield event_to_proto(terminal, rate)
+                return
+            try:
+                timeout = TERMINAL_HOLD_S if terminal is not None else None
+                item = await asyncio.wait_for(out.get(), timeout)
+            except TimeoutError:
+                reader_done = True
+                continue
+            if item is _READER_DONE:
+                reader_done = True
+                continue
+            if isinstance(item, _Fatal):
+                yield _error(item.code, str(item))
+                return
+            if isinstance(item, tuple):
+                yield _error(*item)
+                continue
+            if item.kind == "error":
+                code = (pb.ERROR_CODE_SERVICE_UNAVAILABLE if isinstance(session._error, ServiceError)
+                        else pb.ERROR_CODE_INFERENCE_ERROR)
+                yield _error(code, item.message)
+                return
+            if item.kind in ("done", "cancelled"):
+                terminal = item
+                continue
+            yield event_to_proto(item, rate)
+
+
+def registrations(servicer: ConversationServicer):
+    return [(conversation_pb2_grpc.add_ConversationServiceServicer_to_server, servicer)]
+
+
+def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
+               max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True) -> None:
+    """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready."""
+    servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
+                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined)
+    asyncio.run(serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce))

@@ -1,0 +1,346 @@
+"""The online session's clients: one stream per service and session, over gRPC or with the engines in-process.
+
+    clients = grpc_stream_clients(addresses)          # or LocalEngines.load(model).clients()
+    perception = clients.perception.open()            # perception.push(frame_1280) -> PerceivedFrame
+    language = clients.language.open(prompt)          # bfloat16 prompt rows, as the reference's online session
+    speech = clients.speech.open(seed, prompt_codes, max(language.prompt_positions - 1, 0))
+    codec = clients.codec.open_stream()               # codec.decode(clean_codes_31) -> (1764,) float32
+
+Both kinds return numpy arrays the producer has already evaluated, so timing a call times its stage. The
+in-process engines each live on their own EngineThread (MLX evaluation is thread-affine), so a pipelined
+session may call them from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from orchestrator.clients import (
+    BidiStream,
+    Channel,
+    GrpcLanguage,
+    GrpcSpeech,
+    LocalLanguageSession,
+    LocalSpeech,
+)
+from orchestrator.timeline import LanguageClient, SpeechClient, SpeechInfo
+from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, language_pb2, perception_pb2, perception_pb2_grpc
+from services.common.engine_thread import EngineThread
+from services.common.tensors import from_proto_np, to_proto_np
+
+
+@dataclass
+class PerceivedFrame:
+    audio_embedding: np.ndarray  # (hidden,) float32
+    encoder_out: np.ndarray  # (d_model,) float32
+    transcript_delta: str
+    transcript: str
+    token_ids: list[int]  # RNNT emissions of this frame, specials included
+
+
+class PerceptionStream(Protocol):
+    def push(self, frame: np.ndarray) -> PerceivedFrame: ...
+
+    def close(self) -> None: ...
+
+
+class PerceptionStreamClient(Protocol):
+    def open(self) -> PerceptionStream: ...
+
+
+class CodecStream(Protocol):
+    def decode(self, codes: np.ndarray) -> np.ndarray: ...  # (Q,) int32 clean codes -> (1764,) float32
+
+    def close(self) -> None: ...
+
+
+class CodecStreamClient(Protocol):
+    def prompt_codes(self, frames: int) -> np.ndarray: ...
+
+    def open_stream(self) -> CodecStream: ...
+
+
+@dataclass
+class StreamClients:
+    perception: PerceptionStreamClient
+    language: LanguageClient  # opened with bfloat16 prompt rows
+    speech: SpeechClient
+    codec: CodecStreamClient
+
+    def close(self) -> None:
+        for client in (self.perception, self.language, self.speech, self.codec):
+            channel = getattr(client, "channel", None)
+            if channel is not None:
+                channel.close()
+
+
+# ------------------------------------------------------------------------------------------------ gRPC
+
+
+class GrpcPerceptionStream:
+    def __init__(self, channel: Channel, sample_rate_hz: int):
+        self.stream = channel.stream("Stream")
+        self.frame = 0
+        try:
+            self.stream.call(perception_pb2.PerceptionStreamRequest(
+                open=perception_pb2.PerceptionOpen(sample_rate_hz=sample_rate_hz)))
+        except BaseException:
+            self.stream.close()
+            raise
+
+    def push(self, frame: np.ndarray) -> PerceivedFrame:
+        reply = self.stream.call(perception_pb2.PerceptionStreamRequest(frame=perception_pb2.PerceptionFrameInput(
+            frame_index=self.frame, samples=to_proto_np(frame.astype(np.float32)))))
+        self.frame += 1
+        out = reply.frame
+        return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
+                              out.transcript_delta, out.transcript, list(out.token_ids))
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class GrpcPerceptionStreams:
+    def __init__(self, address: str, sample_rate_hz: int = 16_000):
+        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub)
+        self.sample_rate_hz = sample_rate_hz
+
+    def open(self) -> GrpcPerceptionStream:
+        return GrpcPerceptionStream(self.channel, self.sample_rate_hz)
+
+
+class GrpcCodecStream:
+    def __init__(self, channel: Channel):
+        self.stream: BidiStream = channel.stream("DecodeStream")
+        self.frame = 0
+        try:
+            self.stream.call(codec_pb2.CodecDecodeStreamRequest(open=codec_pb2.CodecDecodeOpen()))
+        except BaseException:
+            self.stream.close()
+            raise
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        reply = self.stream.call(codec_pb2.CodecDecodeStreamRequest(frame=codec_pb2.CodecDecodeFrameInput(
+            frame_index=self.frame, codes=to_proto_np(codes.astype(np.int32)))))
+        self.frame += 1
+        return from_proto_np(reply.frame.samples)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class GrpcCodecStreams:
+    def __init__(self, address: str):
+        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub)
+
+    def prompt_codes(self, frames: int) -> np.ndarray:
+        return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
+
+    def open_stream(self) -> GrpcCodecStream:
+        return GrpcCodecStream(self.channel)
+
+
+def grpc_stream_clients(addresses: dict[str, str]) -> StreamClients:
+    return StreamClients(
+        GrpcPerceptionStreams(addresses["perception"]),
+        GrpcLanguage(addresses["llm"], prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16),
+        GrpcSpeech(addresses["tts"]),
+        GrpcCodecStreams(addresses["codec"]),
+    )
+
+
+# ------------------------------------------------------------------------------------------ in-process
+
+
+class _OnThread:
+    """Calls an object's methods on one EngineThread (results are numpy, evaluated there)."""
+
+    def __init__(self, thread: EngineThread):
+        self.thread = thread
+
+    def call(self, fn, *args):
+        return self.thread.submit_sync(fn, *args)
+
+
+class LocalPerceptionStream(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.stream = self.call(engine.open_stream)
+
+    def push(self, frame: np.ndarray) -> PerceivedFrame:
+        def run() -> PerceivedFrame:
+            out = self.stream.push(frame.astype(np.float32))
+            return PerceivedFrame(np.array(out.audio_embedding), np.array(out.encoder_out), out.transcript_delta,
+                                  out.transcript, list(out.token_ids))
+
+        return self.call(run)
+
+    def close(self) -> None:
+        self.stream = None
+
+
+class LocalPerceptionStreams(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.engine = engine
+
+    def open(self) -> LocalPerceptionStream:
+        return LocalPerceptionStream(self.thread, self.engine)
+
+
+class _ThreadedLanguageSession(_OnThread):
+    def __init__(self, thread: EngineThread, session: LocalLanguageSession):
+        super().__init__(thread)
+        self.session = session
+        self.prompt_positions = session.prompt_positions
+        self.prompt_embeds = session.prompt_embeds
+
+    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
+        return self.call(self.session.step, audio_embedding)
+
+    def close(self) -> None:
+        self.call(self.session.close)
+
+
+class LocalStreamLanguage(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.engine = engine
+
+    def open(self, system_prompt: str) -> _ThreadedLanguageSession:
+        def run() -> LocalLanguageSession:
+            session = self.engine.open_session(system_prompt, prefix_dtype="bfloat16")
+            embeds = (np.array(session.prompt_embeds.astype(mx.float32)) if session.prompt_embeds is not None
+                      else np.zeros((0, self.engine.hidden_size), np.float32))
+            return LocalLanguageSession(self.engine, session, session.prompt_positions, embeds)
+
+        return _ThreadedLanguageSession(self.thread, self.call(run))
+
+
+class _ThreadedSpeechSession(_OnThread):
+    def __init__(self, thread: EngineThread, session):
+        super().__init__(thread)
+        self.session = session
+
+    def step(self, text_id: int) -> np.ndarray:
+        return self.call(lambda: self.session.step(text_id)[0])
+
+    def close(self) -> None:
+        self.session = None
+
+
+class LocalStreamSpeech(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.speech = LocalSpeech(engine)
+
+    def info(self) -> SpeechInfo:
+        return self.call(self.speech.info)
+
+    def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> _ThreadedSpeechSession:
+        session = self.call(self.speech.engine.open_session, seed, prompt_codes, prefix_steps)
+        return _ThreadedSpeechSession(self.thread, session)
+
+
+class LocalCodecStream(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.stream = engine.open_stream()
+        self.frame = 0
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        samples = self.call(self.stream.decode_frame, self.frame, codes)
+        self.frame += 1
+        return samples
+
+    def close(self) -> None:
+        self.stream = None
+
+
+class LocalCodecStreams(_OnThread):
+    def __init__(self, thread: EngineThread, engine):
+        super().__init__(thread)
+        self.engine = engine
+
+    def prompt_codes(self, frames: int) -> np.ndarray:
+        return self.call(self.engine.encode_prompt_codes, frames)
+
+    def open_stream(self) -> LocalCodecStream:
+        return LocalCodecStream(self.thread, self.engine)
+
+
+class LocalEngines:
+    """The four engines in this process, each loaded on and driven from its own EngineThread."""
+
+    NAMES = ("perception", "llm", "tts", "codec")
+
+    def __init__(self, model: Path):
+        from services.codec.engine import CodecEngine
+        from services.llm.engine import LanguageEngine
+        from services.perception.engine import PerceptionEngine
+        from services.tts.engine import TTSEngine
+
+        loaders = {"perception": PerceptionEngine.load, "llm": LanguageEngine.load, "tts": TTSEngine.load,
+                   "codec": CodecEngine.load}
+        self.threads = {name: EngineThread(name=f"{name}-engine") for name in self.NAMES}
+        futures = {name: self.threads[name].submit(loaders[name], model) for name in self.NAMES}
+        try:
+            self.engines = {name: future.result() for name, future in futures.items()}
+        except BaseException:
+            self.close()
+            raise
+
+    def clients(self) -> StreamClients:
+        t, e = self.threads, self.engines
+        return StreamClients(LocalPerceptionStreams(t["perception"], e["perception"]),
+                             LocalStreamLanguage(t["llm"], e["llm"]), LocalStreamSpeech(t["tts"], e["tts"]),
+                             LocalCodecStreams(t["codec"], e["codec"]))
+
+    def close(self) -> None:
+        for thread in self.threads.values():
+            thread.close()
+
+
+@contextlib.contextmanager
+def connect_streams(model: Path, *, services: dict[str, str] | None = None,
+                    in_process: bool = False) -> Iterator[StreamClients]:
+    """Stream clients to the four services: started here as children (the default), already running
+    (`services`), or the engines in this process. Call from the main thread (children die with it)."""
+    from orchestrator.clients import ServiceError
+    from orchestrator.launcher import LaunchError, launched
+
+    if in_process:
+        engines = LocalEngines(model)
+        try:
+            yield engines.clients()
+        finally:
+            engines.close()
+        return
+    if services:
+        clients = grpc_stream_clients(services)
+        try:
+            yield clients
+        finally:
+            clients.close()
+        return
+    try:
+        with launched(model) as children:
+            clients = grpc_stream_clients({name: child.address for name, child in children.items()})
+            try:
+                yield clients
+            except ServiceError as exc:
+                dead = [c.name for c in children.values() if c.process.poll() is not None]
+                if dead:
+                    raise ServiceError(f"{exc} (the {', '.join(dead)} service process exited)") from None
+                raise
+            finally:
+                clients.close()
+    except LaunchError as exc:
+        raise ServiceError(str(exc)) from None

@@ -1,0 +1,323 @@
+"""The online session over fake stream clients and a fake clock: framing, event order and shape, the prompt
+prefix, pipelined against sequential, bad input, limits, cancel, failures, the profiler and --realtime pacing."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from orchestrator.cli import drive
+from orchestrator.clients import ServiceError
+from orchestrator.profile import Profile, percentile
+from orchestrator.session import ContextLimitError, OnlineSession, SessionClosedError
+from orchestrator.stream_clients import PerceivedFrame, StreamClients
+from orchestrator.text import TokenAccumulator
+from orchestrator.timeline import SpeechInfo
+from services.common.config import VoiceChatConfig
+from tests.conftest import ROOT
+
+CONFIG = VoiceChatConfig.from_dict(json.loads((ROOT / "tests" / "fixtures" / "config_full.json").read_text()))
+N = CONFIG.input_frame_samples
+PAD, EOS = CONFIG.pad_token_id, CONFIG.eos_token_id
+Q = 4
+INFO = SpeechInfo(prompt_frames=3, num_quantizers=Q, control_codes=(7, 9), silence_codes=(100, 101, 102, 103))
+
+
+class FakeDecoder:
+    hidden = CONFIG.special_text_ids
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids if i not in self.hidden)
+
+
+class FakeClock:
+    """Advances 1 ms per reading; sleep moves it forward without sleeping."""
+
+    def __init__(self):
+        self.t, self.slept = 0.0, []
+        self._lock = threading.Lock()
+
+    def now(self):
+        with self._lock:
+            self.t += 0.001
+            return self.t
+
+    def sleep(self, seconds):
+        self.slept.append(round(seconds, 6))
+        with self._lock:
+            self.t += max(seconds, 0.0)
+
+
+class Log:
+    def __init__(self):
+        self.calls, self.closed = [], []
+        self._lock = threading.Lock()
+
+    def add(self, *item):
+        with self._lock:
+            self.calls.append(item)
+
+
+def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> StreamClients:
+    fail_at = fail_at or {}
+
+    def check(stage, index):
+        if fail_at.get(stage) == index:
+            raise ServiceError(f"the {stage} service at x:1 stopped responding (UNAVAILABLE: gone)")
+
+    class Perception:
+        def open(self):
+            class Stream:
+                index = 0
+
+                def push(self, frame):
+                    check("perception", self.index)
+                    value = float(frame.sum())
+                    self.index += 1
+                    tokens = [3] if self.index % 2 else []
+                    return PerceivedFrame(np.full(2, value, np.float32), np.full(3, value, np.float32),
+                                          "w" if tokens else "", "w" * (self.index // 2 + self.index % 2), tokens)
+
+                def close(self):
+                    log.closed.append("perception")
+
+            return Stream()
+
+    class Language:
+        def open(self, system_prompt):
+            log.add("language.open", system_prompt)
+
+            class Session:
+                prompt_positions = prefix
+                prompt_embeds = np.zeros((prefix, 2), np.float32)
+                index = 0
+
+                def step(self, embedding):
+                    check("language", self.index)
+                    self.index += 1
+                    cycle = [40, PAD, 41, EOS, 42]
+                    return cycle[(self.index - 1) % len(cycle)], 50 + self.index % 2
+
+                def close(self):
+                    log.closed.append("language")
+
+            return Session()
+
+    class Speech:
+        def info(self):
+            return INFO
+
+        def open(self, seed, prompt_codes, prefix_steps):
+            log.add("speech.open", seed, prompt_codes.shape, prefix_steps)
+
+            class Session:
+                index = 0
+
+                def step(self, text_id):
+                    check("tts", self.index)
+                    self.index += 1
+                    return np.array([text_id, 7, self.index, 9], np.int32)
+
+                def close(self):
+                    log.closed.append("tts")
+
+            return Session()
+
+    class Codec:
+        def prompt_codes(self, frames):
+            return np.zeros((frames, Q), np.int32)
+
+        def open_stream(self):
+            class Stream:
+                def decode(self, codes):
+                    return np.full(1764, float(codes.sum()), np.float32)
+
+                def close(self):
+                    log.closed.append("codec")
+
+            return Stream()
+
+    return StreamClients(Perception(), Language(), Speech(), Codec())
+
+
+def session(log=None, **kwargs) -> OnlineSession:
+    log = log or Log()
+    prefix = kwargs.pop("prefix", 0)
+    fail_at = kwargs.pop("fail_at", None)
+    kwargs.setdefault("clock", FakeClock())
+    return OnlineSession(make_clients(log, prefix, fail_at), CONFIG, FakeDecoder(), **kwargs)
+
+
+def run(waveform, chunk, **kwargs):
+    s = session(**kwargs)
+    events = []
+    for start in range(0, len(waveform), chunk):
+        events += s.push_audio(waveform[start : start + chunk])
+    events += s.flush(pad_partial=True)
+    return events
+
+
+def comparable(events):
+    return [(e.kind, e.frame_index, e.token_id, e.delta, e.text,
+             None if e.samples is None else e.samples.tolist(),
+             None if e.audio_codes is None else e.audio_codes.tolist(),
+             None if e.raw_codes is None else e.raw_codes.tolist()) for e in events]
+
+
+WAVE = np.random.default_rng(0).standard_normal(N * 6 + 500).astype(np.float32)
+
+
+def test_frames_events_and_their_order():
+    events = run(WAVE, N, pipelined=False)
+    assert [e.frame_index for e in events if e.kind == "audio"] == list(range(7))  # 6 frames + the padded one
+    assert events[-1].kind == "done" and events[-1].frame_index == 7
+    order = {"user_transcript_delta": 0, "assistant_text_delta": 1, "function_delta": 2, "audio": 3}
+    for t in range(7):
+        kinds = [e.kind for e in events if e.frame_index == t and e.kind != "done"]
+        assert kinds == sorted(kinds, key=order.__getitem__) and kinds[-1] == "audio"
+    text = [e for e in events if e.kind == "assistant_text_delta"]
+    assert [e.token_id for e in text] == [40, 41, 42, 40]  # pad and EOS skipped
+    assert text[-1].text == "<40><41><42><40>" and text[1].delta == "<41>"
+    first = next(e for e in events if e.kind == "audio")
+    assert first.audio_codes.tolist() == list(INFO.silence_codes)  # position 0: codec silence, no speech step
+    second = [e for e in events if e.kind == "audio"][1]
+    assert second.raw_codes.tolist() == [PAD, 7, 1, 9] and second.audio_codes.tolist() == [PAD, 101, 1, 103]
+    assert second.samples.shape == (1764,) and second.samples[0] == second.audio_codes.sum()
+
+
+def test_push_sizes_give_identical_events():
+    reference = comparable(run(WAVE, N, pipelined=False))
+    for chunk in (1, 160, 4000, len(WAVE)):
+        assert comparable(run(WAVE, chunk, pipelined=False)) == reference, chunk
+
+
+def test_pipelined_equals_sequential():
+    for chunk in (N, 4000):
+        assert comparable(run(WAVE, chunk, pipelined=True)) == comparable(run(WAVE, chunk, pipelined=False))
+
+
+def test_prompt_prefix_steps_speech_and_emits_nothing():
+    log = Log()
+    s = session(log, prefix=5, system_prompt="hello", seed=7, pipelined=False)
+    assert ("language.open", "hello") in log.calls and ("speech.open", 7, (3, Q), 4) in log.calls
+    events = s.push_audio(WAVE[:N]) + s.flush()
+    audio = [e for e in events if e.kind == "audio"]
+    assert len(audio) == 1 and audio[0].frame_index == 0
+    assert audio[0].raw_codes.tolist() == [40, 7, 1, 9]  # with a prefix, frame 0 has a speech step
+
+
+def test_flush_without_padding_drops_the_partial_frame_and_frees_every_stream():
+    log = Log()
+    s = session(log, pipelined=True)
+    s.push_audio(WAVE[: N + 10])
+    events = s.flush(pad_partial=False)
+    assert [e.kind for e in events][-1] == "done" and events[-1].frame_index == 1
+    assert sorted(log.closed) == ["codec", "language", "perception", "tts"]
+    assert s.flush() == []
+
+
+def test_bad_input_is_rejected_and_the_session_goes_on():
+    s = session(pipelined=False)
+    with pytest.raises(ValueError, match="16000 Hz"):
+        s.push_audio(WAVE[:N], 8000)
+    with pytest.raises(ValueError, match="non-finite"):
+        s.push_audio(np.array([0.0, np.nan], np.float32))
+    with pytest.raises(ValueError, match="mono"):
+        s.push_audio(np.zeros((2, 10), np.float32))
+    assert [e.kind for e in s.push_audio(WAVE[:N])][-1] == "audio"
+    s.flush()
+    with pytest.raises(SessionClosedError, match="after flush"):
+        s.push_audio(WAVE[:N])
+
+
+def test_max_streaming_seconds_bounds_the_session():
+    s = session(pipelined=False, max_streaming_seconds=0.2)  # int(0.2 / 0.08) = 2 frames
+    assert s.max_frames == 2
+    with pytest.raises(ContextLimitError, match="max_streaming_seconds"):
+        s.push_audio(WAVE[: 3 * N])
+    assert s.frame_index == 2
+    with pytest.raises(ValueError):
+        session(max_streaming_seconds=0)
+
+
+def test_cancel_drops_pending_audio():
+    for pipelined in (False, True):
+        log = Log()
+        s = session(log, pipelined=pipelined)
+        s.push_audio(WAVE[: N + 100])
+        events = s.cancel()
+        assert events[-1].kind == "cancelled" and events[-1].frame_index == s.frame_index
+        assert len(log.closed) == 4 and s.cancel() == []
+        with pytest.raises(SessionClosedError):
+            s.push_audio(WAVE[:N])
+
+
+@pytest.mark.parametrize("stage", ["perception", "language", "tts"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_failing_service_is_named_and_nothing_hangs(stage, pipelined):
+    log = Log()
+    seen = []
+    s = session(log, pipelined=pipelined, fail_at={stage: 2}, on_event=seen.append)
+    with pytest.raises(ServiceError, match=f"the {stage} service"):
+        s.push_audio(WAVE)
+        s.flush()
+    assert len(log.closed) == 4 and s.closed  # every service session freed at the failure
+    s.close()
+    done = [0, 1, 2] if stage == "tts" else [0, 1]  # frame 0 takes no speech step: its step 2 is frame 3
+    assert [e.frame_index for e in seen if e.kind == "audio"] == done
+    if pipelined:
+        assert [e.kind for e in seen][-1] == "error" and stage in seen[-1].message
+
+
+def test_on_event_receives_the_same_events():
+    seen = []
+    s = session(pipelined=True, on_event=seen.append)
+    assert s.push_audio(WAVE) == []
+    assert s.flush() == []
+    assert comparable(seen) == comparable(run(WAVE, N, pipelined=False))
+
+
+def test_profile_measures_every_stage():
+    s = session(pipelined=False, profile=True)
+    s.push_audio(WAVE)
+    s.flush()
+    frames = s.profile.frames
+    assert len(frames) == 7
+    # the fake clock advances 1 ms per reading: each stage reads it twice, so every stage lasts 1 ms
+    assert all(f.perception_ms == pytest.approx(1.0) and f.codec_ms == pytest.approx(1.0) for f in frames)
+    summary = s.profile.summary(drop_first=2)
+    assert summary["frames"] == 5 and summary["dropped_cold_frames"] == 2 and summary["mode"] == "sequential"
+    assert set(summary["stages"]) == {"perception", "rnnt", "language", "tts", "codec", "total", "interval"}
+    total = summary["stages"]["total"]["mean_ms"]
+    assert total >= 4.0 and summary["realtime_factor"] == pytest.approx(
+        summary["stages"]["interval"]["mean_ms"] / 80.0)
+    json.dumps(summary)
+
+
+def test_percentile_and_empty_summary():
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and percentile([], 0.95) == 0.0
+    assert percentile([5.0], 0.95) == 5.0
+    empty = Profile(80.0).summary(drop_first=5)
+    assert empty["frames"] == 0 and empty["realtime_factor"] == 0.0
+
+
+def test_realtime_drive_paces_pushes_with_the_clock():
+    clock = FakeClock()
+    s = session(pipelined=False, clock=clock)
+    drive(s, WAVE[: 4 * N], N, realtime=True, clock=clock)
+    assert s.closed and s.frame_index == 4
+    assert len(clock.slept) == 4 and all(0.0 < x <= 0.08 for x in clock.slept)
+    assert clock.t >= 4 * 0.08  # the pushes took at least the audio's own duration
+
+
+def test_token_accumulator_falls_back_to_the_single_token_decode():
+    class Revising(FakeDecoder):
+        def decode(self, ids):
+            return "x" if ids == [40] else "y" + "".join(map(str, ids))
+
+    acc = TokenAccumulator(Revising())
+    assert acc.append(40) == ("x", "x")
+    assert acc.append(41) == ("y41", "y4041")
