@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.stages import percentile
 from orchestrator.launcher import spawn_service, stop, wait_ready
+from orchestrator.profile import percentile
 from protos.voicechat.v1 import (
     codec_pb2,
     codec_pb2_grpc,

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from orchestrator.profile import percentile
 from services.codec.engine import CodecEngine
 from services.llm.engine import LanguageEngine
 from services.perception.engine import PerceptionEngine
@@ -27,14 +28,6 @@ from services.tts.engine import TTSEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME_MS = 80.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
 
 
 def summarize(values: list[float]) -> dict[str, float]:

@@ -31,28 +31,34 @@ def parse_services(text: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False) -> Iterator[Clients]:
-    if in_process:
-        yield local_clients(model)
-        return
+def serving(model: Path, services: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """The four services' addresses: the ones given, or children started here (from the main thread) and
+    stopped on exit. A client failure while a child has died names that child."""
     if services:
-        clients = grpc_clients(services)
-        try:
-            yield clients
-        finally:
-            close_clients(clients)
+        yield services
         return
     try:
         with launched(model) as children:
-            clients = grpc_clients({name: child.address for name, child in children.items()})
             try:
-                yield clients
+                yield {name: child.address for name, child in children.items()}
             except ServiceError as exc:
                 dead = [c.name for c in children.values() if c.process.poll() is not None]
                 if dead:
                     raise ServiceError(f"{exc} (the {', '.join(dead)} service process exited)") from None
                 raise
-            finally:
-                close_clients(clients)
     except LaunchError as exc:
         raise ServiceError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False) -> Iterator[Clients]:
+    """Clients for the offline turn."""
+    if in_process:
+        yield local_clients(model)
+        return
+    with serving(model, services) as addresses:
+        clients = grpc_clients(addresses)
+        try:
+            yield clients
+        finally:
+            close_clients(clients)

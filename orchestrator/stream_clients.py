@@ -313,8 +313,7 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None,
                     in_process: bool = False) -> Iterator[StreamClients]:
     """Stream clients to the four services: started here as children (the default), already running
     (`services`), or the engines in this process. Call from the main thread (children die with it)."""
-    from orchestrator.clients import ServiceError
-    from orchestrator.launcher import LaunchError, launched
+    from orchestrator.connect import serving
 
     if in_process:
         engines = LocalEngines(model)
@@ -323,24 +322,9 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None,
         finally:
             engines.close()
         return
-    if services:
-        clients = grpc_stream_clients(services)
+    with serving(model, services) as addresses:
+        clients = grpc_stream_clients(addresses)
         try:
             yield clients
         finally:
             clients.close()
-        return
-    try:
-        with launched(model) as children:
-            clients = grpc_stream_clients({name: child.address for name, child in children.items()})
-            try:
-                yield clients
-            except ServiceError as exc:
-                dead = [c.name for c in children.values() if c.process.poll() is not None]
-                if dead:
-                    raise ServiceError(f"{exc} (the {', '.join(dead)} service process exited)") from None
-                raise
-            finally:
-                clients.close()
-    except LaunchError as exc:
-        raise ServiceError(str(exc)) from None
