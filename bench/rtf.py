@@ -2,12 +2,18 @@
 
     python -m bench.rtf offline --model DIR [--reference-python .ref/bin/python] [--lengths 10,30,60]
                                 [--repeat N] [--no-full-history] [--json]
+    python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc] [--json]
 
 offline: one turn over the bundled question padded with silence to each length. Ours runs the engines
 in-process with persistent language caches; the reference runs its default full-history path (the language
 model recomputed over the whole history at every position) and its cached path. Runs alternate between the two
 stacks so machine noise falls on both. Prints seconds per turn, ms per frame, and ours/reference ratios; the
 growth of cost with length shows linear (ours) against quadratic (the reference's default).
+
+online: one streaming session over the same input pushed in 1280-sample frames as fast as it is taken: ours
+pipelined and sequential (in-process, and over gRPC with --grpc) against the reference's streaming session.
+Rows: per-stage p50/p95, frame interval p50/p95, real-time factor, first-audio latency, peak memory, and the
+ratio ours/reference.
 """
 
 from __future__ import annotations
@@ -76,9 +82,89 @@ def print_offline(rows: list) -> None:
               f"{ratio:10.3f}")
 
 
+def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int) -> dict:
+    import resource
+
+    import mlx.core as mx
+
+    from orchestrator.session import OnlineSession, transcript_vocabulary
+    from orchestrator.stream_clients import connect_streams
+    from orchestrator.text import TextDecoder
+    from services.common.config import VoiceChatConfig
+
+    config = VoiceChatConfig.load(model)
+    audio = question_padded(seconds)
+    first: list[float] = []
+    start = time.perf_counter()
+
+    def on_event(event) -> None:  # the moment the first audio frame exists, whoever collects it later
+        if event.kind == "audio" and not first:
+            first.append((time.perf_counter() - start) * 1000.0)
+
+    with connect_streams(model, in_process=not grpc) as clients:
+        session = OnlineSession(clients, config, TextDecoder(model, config), seed=0, pipelined=pipelined,
+                                profile=True, on_event=on_event, rnnt_vocabulary=transcript_vocabulary(model, config))
+        with session:
+            start = time.perf_counter()
+            for offset in range(0, len(audio), 1280):
+                session.push_audio(audio[offset : offset + 1280], 16_000)
+            session.flush(pad_partial=True)
+    return {
+        "summary": session.profile.summary(drop_first=drop),
+        "first_audio_ms": first[0] if first else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if not grpc else None,
+        "peak_device_mb": mx.get_peak_memory() / 2**20 if not grpc else None,
+    }
+
+
+def reference_online(python: Path, model: Path, seconds: float, drop: int) -> dict:
+    command = [str(python), str(ROOT / "bench" / "reference_driver.py"), "online", "--model", str(model),
+               "--seconds", str(seconds), "--drop", str(drop)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int) -> dict[str, dict]:
+    """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours."""
+    runs = {"ours pipelined": ours_online(model, seconds, True, False, drop),
+            "ours sequential": ours_online(model, seconds, False, False, drop)}
+    if grpc:
+        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop)
+    if python is not None:
+        runs["reference"] = reference_online(python, model, seconds, drop)
+    return runs
+
+
+def print_online(runs: dict[str, dict]) -> None:
+    names = list(runs)
+    reference = runs.get("reference")
+
+    def row(label: str, pick) -> None:
+        values = [pick(runs[n]) for n in names]
+        cells = " ".join(f"{v:>20.2f}" if isinstance(v, float) else f"{'-':>20}" for v in values)
+        ratio = ""
+        if reference is not None and isinstance(values[0], float) and isinstance(pick(reference), float):
+            base = pick(reference)
+            ratio = f"{values[0] / base:10.3f}" if base else ""
+        print(f"{label:<24} {cells} {ratio}")
+
+    print(f"{'':<24} " + " ".join(f"{n:>20}" for n in names) + (f" {'ours/ref':>10}" if reference else ""))
+    stage_names = ("perception", "rnnt", "language", "tts", "codec")
+    for stage in stage_names:
+        for stat in ("p50_ms", "p95_ms"):
+            row(f"{stage} {stat[:3]} ms", lambda r, s=stage, k=stat: r["summary"]["stages"].get(s, {}).get(k))
+    for stat in ("p50_ms", "p95_ms"):
+        row(f"frame interval {stat[:3]} ms", lambda r, k=stat: (r["summary"]["stages"].get("interval")
+                                                              or r["summary"]["stages"]["total"])[k])
+    row("real-time factor", lambda r: r["summary"]["realtime_factor"])
+    row("first audio ms", lambda r: r["first_audio_ms"])
+    row("peak RSS MB", lambda r: r["peak_rss_mb"])
+    row("peak device MB", lambda r: r["peak_device_mb"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["offline"])
+    parser.add_argument("mode", choices=["offline", "online"])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--reference-python", type=Path,
                         default=DEFAULT_REFERENCE if DEFAULT_REFERENCE.exists() else None,
@@ -87,10 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--no-full-history", action="store_true", help="skip the reference's slow default path")
     parser.add_argument("--ours-only", action="store_true", help="time our stack only")
+    parser.add_argument("--seconds", type=float, default=10.0, help="online: input length in seconds")
+    parser.add_argument("--grpc", action="store_true", help="online: also run ours over gRPC child services")
+    parser.add_argument("--drop", type=int, default=5, help="online: cold frames left out of the statistics")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     lengths = [float(x) for x in args.lengths.split(",") if x.strip()]
     python = None if args.ours_only else args.reference_python
+    if args.mode == "online":
+        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop)
+        if args.json:
+            print(json.dumps({"mode": "online", "runs": runs}, indent=2))
+        else:
+            print_online(runs)
+        return 0
     rows = offline_table(args.model, python, lengths, args.repeat, not args.no_full_history)
     if args.json:
         print(json.dumps({"mode": "offline", "rows": rows}, indent=2))

@@ -36,3 +36,17 @@ def test_rtf_offline_reports_each_length(tiny_checkpoint, capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["input_s"], r["stack"]) for r in rows] == [(3.0, "ours (cached)"), (4.0, "ours (cached)")]
     assert rows[0]["frames"] < rows[1]["frames"] and all(r["ms_per_frame"] > 0 for r in rows)
+
+
+def test_rtf_online_reports_stages_interval_and_latency(tiny_checkpoint, capsys):
+    from bench import rtf
+
+    assert rtf.main(["online", "--model", str(tiny_checkpoint), "--seconds", "3", "--drop", "2", "--ours-only",
+                     "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert set(runs) == {"ours pipelined", "ours sequential"}
+    for run in runs.values():
+        summary = run["summary"]
+        assert summary["frames"] == 38 - 2 and summary["realtime_factor"] > 0
+        assert {"perception", "language", "tts", "codec", "interval"} <= set(summary["stages"])
+        assert run["first_audio_ms"] > 0 and run["peak_device_mb"] > 0
