@@ -28,6 +28,7 @@ from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
 from orchestrator.connect import ServiceError, connect, parse_services
 from orchestrator.model import resolve_model
 from orchestrator.profile import MonotonicClock
+from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
 from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import connect_streams
 from orchestrator.text import TextDecoder
@@ -100,6 +101,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-streaming-seconds", type=float, default=600.0,
                        help="upper bound on one conversation's input audio (default 600)")
     serve.add_argument("--sequential", action="store_true", help="run each session's stages without pipelining")
+    serve.add_argument("--no-realtime", action="store_true", help="serve gRPC only, without ws://.../v1/realtime")
+    serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
+    add_realtime_flags(serve)
 
 
 def dump_offline(path: Path, result: OfflineResult, meta: dict) -> None:
@@ -287,8 +291,12 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     model = resolve_model(args.model)
     with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
+        realtime = None
+        if not args.no_realtime:
+            realtime = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias))
         run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                   max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential)
+                   max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
+                   realtime=realtime)
     return 0
 
 

@@ -269,8 +269,19 @@ def registrations(servicer: ConversationServicer):
 
 
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
-               max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True) -> None:
-    """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready."""
+               max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
+               realtime=None) -> None:
+    """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
+    as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`)."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined)
-    asyncio.run(serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce))
+
+    async def main() -> None:
+        if realtime is None:
+            await serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce)
+            return
+        async with realtime:
+            print(f"realtime on {realtime.url}", flush=True)
+            await serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce)
+
+    asyncio.run(main())

@@ -262,11 +262,14 @@ def test_orchestrator_serve_end_to_end(tiny_checkpoint, golden, flags):
     from services.common.cli import parse_ready_line
 
     process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--model", str(tiny_checkpoint),
-                                "--host", HOST, "--port", "0", "--max-sessions", "2", *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--host", HOST, "--port", "0", "--max-sessions", "2", "--realtime-port", "0",
+                                *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        realtime_line = process.stdout.readline()
+        assert realtime_line.startswith("realtime on ws://"), realtime_line + process.stderr.read()
         ready = parse_ready_line(process.stdout.readline())
         assert ready is not None, process.stderr.read()
+        assert realtime_hello(realtime_line.split()[-1]) == ("session.created", "session.pong")
         wave = golden[0]["waveform"][: N * 3]
         got = converse(f"{HOST}:{ready[1]}", [configure(), *chunks(wave), flush()])
         assert got[0] == ("ready",) and got[-1] == ("done", 3)
@@ -275,3 +278,15 @@ def test_orchestrator_serve_end_to_end(tiny_checkpoint, golden, flags):
         process.send_signal(signal.SIGTERM)
         code = process.wait(30)
     assert code == 0, process.stderr.read()
+
+
+def realtime_hello(url: str) -> tuple[str, str]:
+    """The gateway `orchestrator serve` runs beside the gRPC service answers on its own port."""
+    import json
+
+    from websockets.sync.client import connect
+
+    with connect(url) as socket:
+        created = json.loads(socket.recv(timeout=10))["type"]
+        socket.send(json.dumps({"type": "session.ping"}))
+        return created, json.loads(socket.recv(timeout=10))["type"]
