@@ -204,7 +204,7 @@ class OnlineSession:
                 self._submit(pending[start : start + n].copy())  # the caller may reuse its buffer
                 start += n
         except ContextLimitError:
-            self.drain()  # the frames before the limit still complete and emit their events
+            self._wait()  # the frames before the limit complete; their events wait for the next call
             raise
         finally:
             self._pending = pending[start:].copy()
@@ -212,11 +212,14 @@ class OnlineSession:
 
     def drain(self) -> list[Event]:
         """Wait until every frame pushed so far has emitted its events; returns those ready."""
+        self._wait()
+        return self._take_ready()
+
+    def _wait(self) -> None:
         if self._threads:
             self._stop_workers()
             if not self.closed:
                 self._start_workers()
-        return self._take_ready()
 
     def flush(self, pad_partial: bool = True) -> list[Event]:
         """End of input: zero-pad and run the partial frame (when asked), wait for every frame, then `done`."""
@@ -228,7 +231,7 @@ class OnlineSession:
             try:
                 self._submit(np.pad(pending, (0, self.frame_samples - pending.shape[0])))
             except ContextLimitError:
-                self.drain()
+                self._wait()
                 raise
         self._stop_workers()
         self.closed = True

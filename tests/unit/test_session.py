@@ -233,12 +233,15 @@ def test_bad_input_is_rejected_and_the_session_goes_on():
         s.push_audio(WAVE[:N])
 
 
-def test_max_streaming_seconds_bounds_the_session():
-    s = session(pipelined=False, max_streaming_seconds=0.2)  # int(0.2 / 0.08) = 2 frames
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_max_streaming_seconds_bounds_the_session(pipelined):
+    s = session(pipelined=pipelined, max_streaming_seconds=0.2)  # int(0.2 / 0.08) = 2 frames
     assert s.max_frames == 2
     with pytest.raises(ContextLimitError, match="max_streaming_seconds"):
         s.push_audio(WAVE[: 3 * N])
     assert s.frame_index == 2
+    # The two frames before the limit still reach the caller, with the next call.
+    assert [e.frame_index for e in s.drain() if e.kind == "audio"] == [0, 1]
     with pytest.raises(ValueError):
         session(max_streaming_seconds=0)
 
