@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -125,7 +124,9 @@ def reference_online(python: Path, model: Path, seconds: float, drop: int) -> di
 
 
 def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int) -> dict[str, dict]:
-    """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours."""
+    """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours, after
+    a short warm-up session in the same process (kernels compile on first use, on a GPU for seconds)."""
+    ours_online(model, 1.0, True, False, 0)
     runs = {"ours pipelined": ours_online(model, seconds, True, False, drop),
             "ours sequential": ours_online(model, seconds, False, False, drop)}
     if grpc:
@@ -196,5 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from services.common.cli import exit_process
+
+    exit_process(main())  # engines ran on their own threads: skip MLX's abort in interpreter teardown
 
