@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -42,3 +44,24 @@ def load_golden(name: str) -> tuple[np.lib.npyio.NpzFile, dict]:
     """A golden's arrays and its `meta` JSON; a missing file is an error (the goldens are in git)."""
     data = np.load(GOLDEN / f"{name}.npz")
     return data, json.loads(str(data["meta"]))
+
+
+@contextlib.contextmanager
+def service_process(name: str, model: Path):
+    """`python -m services.<name>` on a free port, as the launcher starts it; yields (address, process).
+
+    The caller may stop it itself (SIGTERM) to check the exit code; whatever is left is stopped on exit."""
+    from orchestrator.launcher import spawn_service, stop, wait_ready
+
+    child = spawn_service(name, model)
+    try:
+        wait_ready([child], timeout_s=60)
+        yield child.address, child.process
+    finally:
+        stop([child])
+
+
+def terminate(process) -> int:
+    """SIGTERM, then the exit code (a clean shutdown is 0)."""
+    process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=30)

@@ -3,7 +3,6 @@
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.engine import CodecEngine
 from services.codec.service import SERVICE_NAME, build_spec
-from services.common import cli
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto_np
-from tests.conftest import GOLDEN
+from tests.conftest import GOLDEN, service_process, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -190,36 +188,13 @@ def test_limits_are_resource_exhausted(tiny_checkpoint):
 
 
 def test_main_serves_and_stops_on_sigterm(tiny_checkpoint):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [
-        sys.executable,
-        "-m",
-        "services.codec",
-        "--model",
-        str(tiny_checkpoint),
-        "--host",
-        HOST,
-        "--port",
-        "0",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        parsed = cli.parse_ready_line(line)
-        assert parsed is not None, line + proc.stderr.read()
-        with grpc.insecure_channel(f"{HOST}:{parsed[1]}") as channel:
+    with service_process("codec", tiny_checkpoint) as (address, process):
+        with grpc.insecure_channel(address) as channel:
             response = codec_pb2_grpc.CodecServiceStub(channel).Decode(
                 codec_pb2.CodecDecodeRequest(codes=to_proto_np(np.zeros((1, Q), np.int32))), timeout=30
             )
             assert from_proto_np(response.waveform).shape == (1764,)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert terminate(process) == 0
 
 
 def test_main_reports_a_bad_checkpoint(tmp_path):

@@ -2,10 +2,6 @@
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 
 import grpc
 import mlx.core as mx
@@ -14,12 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
-from services.common import cli
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto, to_proto_np
 from services.llm.engine import LanguageEngine
 from services.llm.service import SERVICE_NAME, build_spec
-from tests.conftest import GOLDEN
+from tests.conftest import GOLDEN, service_process, terminate
 
 HOST = "127.0.0.1"
 PROMPT = "Be concise and answer in one sentence."
@@ -203,28 +198,13 @@ def test_bad_input_is_invalid_argument_with_a_clear_message(tiny_checkpoint, emb
 
 
 def test_python_m_services_llm_serves_and_stops_on_sigterm(tiny_checkpoint, embeds):
-    root = GOLDEN.parents[2]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.llm", "--model", str(tiny_checkpoint), "--host", HOST, "--port", "0",
-         "--log-level", "warning"],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        parsed = cli.parse_ready_line(line)
-        assert parsed is not None, line + proc.stderr.read()
-        with grpc.insecure_channel(f"{HOST}:{parsed[1]}") as channel:
+    with service_process("llm", tiny_checkpoint) as (address, process):
+        with grpc.insecure_channel(address) as channel:
             stub = language_pb2_grpc.LanguageServiceStub(channel)
             responses = list(stub.Stream(iter([open_request(), step_request(0, embeds[0])]), timeout=30))
         assert responses[0].opened.hidden_size == 128
         assert responses[1].step.frame_index == 0
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert terminate(process) == 0
 
 
 @pytest.mark.parametrize("golden, precision", [

@@ -2,10 +2,6 @@
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,13 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.voicechat.v1 import perception_pb2 as pb
 from protos.voicechat.v1 import perception_pb2_grpc
-from services.common import cli
 from services.common.engine_thread import EngineThread
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto_np
 from services.perception.engine import PerceptionEngine
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
-from tests.conftest import QUESTION_WAV
+from tests.conftest import QUESTION_WAV, service_process, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -207,31 +202,14 @@ def test_not_serving_until_loaded(tiny_checkpoint):
 
 
 def test_cli_serves_and_stops_on_sigterm(tiny_checkpoint):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.perception", "--model", str(tiny_checkpoint), "--host", HOST,
-         "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        parsed = None
-        for line in proc.stdout:
-            parsed = cli.parse_ready_line(line)
-            if parsed:
-                break
-        assert parsed is not None, proc.stderr.read()
+    async def call(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = perception_pb2_grpc.PerceptionServiceStub(channel)
+            return await stub.Encode(pb.EncodeRequest(waveform=to_proto_np(WAVE), sample_rate_hz=RATE))
 
-        async def call():
-            async with grpc.aio.insecure_channel(f"{HOST}:{parsed[1]}") as channel:
-                stub = perception_pb2_grpc.PerceptionServiceStub(channel)
-                return await stub.Encode(pb.EncodeRequest(waveform=to_proto_np(WAVE), sample_rate_hz=RATE))
-
-        assert asyncio.run(call()).frames == 9
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with service_process("perception", tiny_checkpoint) as (address, process):
+        assert asyncio.run(call(address)).frames == 9
+        assert terminate(process) == 0
 
 
 def test_engine_arrays_are_float32(direct):

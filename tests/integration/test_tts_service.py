@@ -4,10 +4,6 @@ directly (and to the reference's goldens), interleaved sessions independent, bad
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,12 +12,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
-from services.common.cli import parse_ready_line
 from services.common.engine_thread import EngineThread
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto_np
 from services.tts.engine import TTSEngine
 from services.tts.service import SERVICE_NAME, SpeechServicer
+from tests.conftest import service_process, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "parity" / "golden"
@@ -162,29 +158,15 @@ def test_bad_input_is_invalid_argument(engine_and_goldens):
 
 
 def test_main_serves_health_and_stops_on_sigterm(tiny_checkpoint):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tts", "--model", str(tiny_checkpoint), "--host", HOST, "--port", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        line = proc.stdout.readline()
-        ready = parse_ready_line(line)
-        assert ready is not None, f"no ready line: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+    async def check(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            return response.status
 
-        async def check():
-            async with grpc.aio.insecure_channel(f"{HOST}:{ready[1]}") as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-                return response.status
-
-        assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with service_process("tts", tiny_checkpoint) as (address, process):
+        assert asyncio.run(check(address)) == health_pb2.HealthCheckResponse.SERVING
+        assert terminate(process) == 0
 
 
 def test_describe_reports_the_prompt_length_and_code_conventions(engine_and_goldens):
