@@ -138,7 +138,9 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def offline(args: argparse.Namespace) -> int:
+def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.ndarray, TextDecoder]:
+    """What `offline` and `stream` share: flags checked and outputs writable before any work, then the model,
+    its config, the input at 16 kHz with the decoding silence appended, and the text decoder."""
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be non-negative")
     if args.extra_decoding_seconds < 0:
@@ -150,7 +152,11 @@ def offline(args: argparse.Namespace) -> int:
     config = VoiceChatConfig.load(model)
     waveform = read_audio(args.input, config.input_sample_rate)
     waveform = append_silence(waveform, args.extra_decoding_seconds, config.input_sample_rate)
-    decoder = TextDecoder(model, config)
+    return model, config, waveform, TextDecoder(model, config)
+
+
+def offline(args: argparse.Namespace) -> int:
+    model, config, waveform, decoder = prepare_turn(args)
     prompt = config.default_system_prompt if args.system_prompt is None else args.system_prompt
     with connect(model, services=args.services, in_process=args.in_process) as clients:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)
@@ -180,25 +186,14 @@ def offline(args: argparse.Namespace) -> int:
 
 
 def stream(args: argparse.Namespace) -> int:
-    if args.seed < 0:
-        raise UsageError(f"--seed {args.seed}: must be non-negative")
-    if args.extra_decoding_seconds < 0:
-        raise UsageError(f"--extra-decoding-seconds {args.extra_decoding_seconds}: must be non-negative")
     if not args.chunk_ms > 0:
         raise UsageError(f"--chunk-ms {args.chunk_ms}: must be positive")
     if args.max_streaming_seconds is not None and not args.max_streaming_seconds > 0:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     if args.drop_cold_frames < 0:
         raise UsageError(f"--drop-cold-frames {args.drop_cold_frames}: must be non-negative")
-    check_writable(args.output_audio, overwrite=args.force)
-    if args.dump:
-        check_writable(args.dump, overwrite=args.force)
-    model = resolve_model(args.model)
-    config = VoiceChatConfig.load(model)
-    waveform = read_audio(args.input, config.input_sample_rate)
-    waveform = append_silence(waveform, args.extra_decoding_seconds, config.input_sample_rate)
+    model, config, waveform, decoder = prepare_turn(args)
     chunk = max(1, round(args.chunk_ms * config.input_sample_rate / 1000))
-    decoder = TextDecoder(model, config)
     events = []
 
     def show(event) -> None:
