@@ -9,6 +9,7 @@ All functions of weights and inputs; the per-session state (caches, key, previou
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from services.common.layers import Linear
 from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
 from services.tts.blocks import OffsetRMSNorm
 from services.tts.mog import MoGHead
-from services.tts.rng import SessionKey
+from services.tts.rng import KeySequence, SessionKey
 from services.tts.subword import CharAwareSubwordEncoder, CharTable
 
 Caches = list[FullCache | RingCache]
@@ -141,12 +142,28 @@ class EarTts:
         return self.generate_codes(self.backbone(inputs, caches), rng)
 
     def generate_codes(self, hidden: mx.array, rng: SessionKey) -> mx.array:
-        """hidden: (2, T, D) cond/uncond -> codes (1, T, Q): masked iterative RVQ refinement."""
+        """hidden: (2, T, D) cond/uncond -> codes (1, T, Q): masked iterative RVQ refinement.
+
+        Runs as one compiled graph (five MoG calls and 31 codebook picks are hundreds of small ops); the keys
+        its draws use are taken from `rng` first, in draw order, so the numbers are those of the plain path."""
+        draws = 2 * sum(1 for count in self._schedule() if count)  # a uniform and a normal per MoG call
+        return self._compiled_generate(hidden, rng.take(draws))
+
+    def _schedule(self) -> list[int]:
+        cfg = self.config
+        return mask_schedule(cfg.num_quantizers, cfg.num_iterations, cfg.exponent)
+
+    @functools.cached_property
+    def _compiled_generate(self):
+        return mx.compile(lambda hidden, keys: self.generate_codes_with(hidden, KeySequence(keys)))
+
+    def generate_codes_with(self, hidden: mx.array, rng: SessionKey | KeySequence) -> mx.array:
+        """The refinement itself, drawing from `rng` (uncompiled: tests compare both paths)."""
         cfg = self.config
         cond, uncond = hidden[:1], hidden[1:]
         codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.int32) for _ in range(cfg.num_quantizers)]
         done = 0
-        for count in mask_schedule(cfg.num_quantizers, cfg.num_iterations, cfg.exponent):
+        for count in self._schedule():
             if count == 0:
                 continue
             embedded = self.embed_codes(mx.stack(codes, axis=-1))

@@ -33,3 +33,26 @@ class SessionKey:
     def normal(self, shape: tuple[int, ...]) -> mx.array:
         """N(0, 1) float32 of `shape`, as `mx.random.normal(shape)` would draw it."""
         return mx.random.normal(shape, key=self.next_key())
+
+    def take(self, count: int) -> mx.array:
+        """The next `count` draw keys, (count, 2) uint32: what `count` draws would use, in order."""
+        return mx.stack([self.next_key() for _ in range(count)])
+
+
+class KeySequence:
+    """Draws with keys taken in advance (`SessionKey.take`), so a compiled function can receive them as input."""
+
+    def __init__(self, keys: mx.array):
+        self._keys = keys
+        self._next = 0
+
+    def _key(self) -> mx.array:
+        key = self._keys[self._next]
+        self._next += 1
+        return key
+
+    def uniform(self, shape: tuple[int, ...]) -> mx.array:
+        return mx.random.uniform(shape=shape, key=self._key())
+
+    def normal(self, shape: tuple[int, ...]) -> mx.array:
+        return mx.random.normal(shape, key=self._key())

@@ -136,3 +136,23 @@ def test_warmup_codes_mask_the_first_and_last_kept_frames():
     assert prompt_samples(37, 1764) == 38 * 1764
     with pytest.raises(ValueError):
         warmup_codes(np.zeros((2, 3)), 1024)
+
+
+def test_taken_keys_are_the_next_draw_keys():
+    a, b = SessionKey(3), SessionKey(3)
+    taken = a.take(4)
+    assert mx.array_equal(taken, mx.stack([b.next_key() for _ in range(4)])).item()
+    assert mx.array_equal(a.next_key(), b.next_key()).item()  # both streams continue in step
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_compiled_refinement_equals_the_plain_one(tiny_checkpoint, seed):
+    from services.tts.engine import TTSEngine
+
+    model = TTSEngine.load(tiny_checkpoint).model
+    for trial in range(3):
+        hidden = mx.random.normal((2, 1, model.config.hidden_size), key=mx.random.key(100 + trial))
+        plain = model.generate_codes_with(hidden, SessionKey(seed + trial))
+        compiled = model.generate_codes(hidden, SessionKey(seed + trial))
+        assert mx.array_equal(plain, compiled).item()
+        assert (np.array(compiled) < model.config.codebook_size).all()
