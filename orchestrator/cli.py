@@ -288,7 +288,8 @@ def serve(args: argparse.Namespace) -> int:
     with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
         realtime = None
         if not args.no_realtime:
-            realtime = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias))
+            factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)
+            realtime = server_from_args(args, factory)
         run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                    max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                    realtime=realtime)

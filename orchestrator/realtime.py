@@ -112,8 +112,11 @@ class SessionFactory(Protocol):
 class OnlineSessionFactory:
     """OnlineSessions over `clients` (gRPC or in-process stream clients) for the checkpoint in `model_dir`.
 
-    The sessions run sequentially (pipelined=False): the protocol sends a slice's events before it runs the
-    next slice, so a one-frame slice leaves the stages nothing to overlap."""
+    By default the sessions run sequentially: the protocol sends a slice's events before it runs the next slice,
+    so a one-frame slice leaves the stages nothing to overlap, and a frame costs the sum of its four stages.
+    pipelined=True (`--realtime-pipelined`) overlaps the stages across slices instead: the same events in the same
+    order, each sent with the append (or commit) after its frame completes, so a client gets a frame's events one
+    append later, and a model that is slower than real time per frame but faster per stage keeps up."""
 
     def __init__(self, clients, model_dir: str | Path, *, model_id: str | None = None, pipelined: bool = False):
         from orchestrator.session import transcript_vocabulary
@@ -591,6 +594,8 @@ def add_realtime_flags(parser: argparse.ArgumentParser, *, port_flag: str = "--r
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated browser origins allowed to connect (default: any; '*' = any)")
     parser.add_argument("--api-prefix", default="", help="path prefix, e.g. /api serves /api/v1/realtime")
+    parser.add_argument("--realtime-pipelined", action="store_true",
+                        help="overlap the four stages across appends; a frame's events go out one append later")
     parser.add_argument("--realtime-max-sessions", type=int, default=1,
                         help="concurrent realtime sessions (default 1, as the spec); server_busy past it")
     parser.add_argument("--max-message-bytes", type=int, default=MIB, help="largest client message (1 MiB)")
@@ -627,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         services = parse_services(args.services) if args.services else None
         model = resolve_model(args.model)
         with connect_streams(model, services=services, in_process=args.in_process) as clients:
-            server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias))
+            server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
+                                                                     pipelined=args.realtime_pipelined))
 
             async def run() -> None:
                 stop = asyncio.Event()

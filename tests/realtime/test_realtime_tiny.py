@@ -152,3 +152,15 @@ def test_the_file_client_against_a_served_checkpoint(factory, waveform, expected
     assert data.shape == audio.shape
     assert np.abs(data / 32767 - np.clip(audio, -1, 1)).max() <= STEP * 0.5 + 1e-7
     assert "wrote" in stderr
+
+
+def test_pipelined_sessions_send_the_same_events_in_the_same_order(factory, waveform, expected, tiny_checkpoint):
+    pipelined = OnlineSessionFactory(factory.clients, tiny_checkpoint, pipelined=True)
+
+    async def main():
+        async with RealtimeServer(pipelined) as server:
+            return await converse(server, waveform, 1280, seed=0)
+
+    _, events, code = asyncio.run(main())
+    check_same(events, expected[0])
+    assert code == 1000
