@@ -47,13 +47,13 @@ def load_golden(name: str) -> tuple[np.lib.npyio.NpzFile, dict]:
 
 
 @contextlib.contextmanager
-def service_process(name: str, model: Path):
+def service_process(name: str, model: Path, *extra: str):
     """`python -m services.<name>` on a free port, as the launcher starts it; yields (address, process).
 
     The caller may stop it itself (SIGTERM) to check the exit code; whatever is left is stopped on exit."""
     from orchestrator.launcher import spawn_service, stop, wait_ready
 
-    child = spawn_service(name, model)
+    child = spawn_service(name, model, list(extra))
     try:
         wait_ready([child], timeout_s=60)
         yield child.address, child.process

@@ -14,12 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
         help=f"longest system prompt in tokens, bos and eos included (default {MAX_PROMPT_TOKENS})",
     )
+    parser.add_argument(
+        "--weights-dtype", choices=["stored", "bfloat16"], default="stored",
+        help="stored (default) keeps quantized projections quantized; bfloat16 dequantizes them at load: more "
+             "memory, dense matmuls that batch across sessions on a GPU",
+    )
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens)
+    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype)
 
 
 if __name__ == "__main__":

@@ -120,10 +120,17 @@ class LanguageEngine:
         self._ids = itertools.count(1)
 
     @classmethod
-    def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> LanguageEngine:
+    def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+             weights_dtype: str | None = None) -> LanguageEngine:
+        """weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
+        batch almost for free on a GPU); None keeps them as stored."""
+        if weights_dtype not in (None, "stored", "bfloat16"):
+            raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
         checkpoint = Checkpoint(model_dir)
         try:
             weights = checkpoint.load(WEIGHT_PREFIXES)
+            if weights_dtype == "bfloat16":
+                weights = weights.dequantized(mx.bfloat16)
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
         finally:

@@ -43,9 +43,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         assert self._engine is not None, "calls are gated until load() has finished"
         return self._engine
 
-    async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+    async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+                   weights_dtype: str | None = None) -> None:
         """Load the checkpoint's language tensors and tokenizer on the engine thread."""
-        self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens)
+        self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, weights_dtype)
 
     async def Stream(
         self, request_iterator: AsyncIterator[language_pb2.LanguageStreamRequest], context
@@ -98,13 +99,14 @@ def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> lang
     return result
 
 
-def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> ServiceSpec:
+def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+               weights_dtype: str | None = None) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
     servicer = LanguageServicer(engine_thread)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(model_dir, max_prompt_tokens),
+        load=lambda: servicer.load(model_dir, max_prompt_tokens, weights_dtype),
         close=engine_thread.close,
     )

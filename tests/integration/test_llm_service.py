@@ -227,3 +227,16 @@ def test_each_stream_chooses_its_prefix_precision(tiny_checkpoint, golden, preci
     assert np.array_equal(prefix, offline["audio_embeds"][: opened.prompt_positions])
     assert [r.text_token_id for r in results] == z["text_tokens"].tolist()
     assert [r.function_token_id for r in results] == z["function_tokens"].tolist()
+
+
+def test_weights_dtype_bfloat16_serves_the_dequantized_model(tiny4_checkpoint):
+    """`--weights-dtype bfloat16` gives the reference's ids on the checkpoint dequantized to bf16."""
+    golden = np.load(GOLDEN / "offline_4bit_bf16.npz")
+    rows = golden["audio_embeds"][:6]
+    with service_process("llm", tiny4_checkpoint, "--weights-dtype", "bfloat16") as (address, process):
+        with grpc.insecure_channel(address) as channel:
+            stub = language_pb2_grpc.LanguageServiceStub(channel)
+            requests = [open_request(), *(step_request(i, row) for i, row in enumerate(rows))]
+            responses = list(stub.Stream(iter(requests), timeout=30))
+        assert [r.step.text_token_id for r in responses[1:]] == golden["text_tokens"][:6].tolist()
+        assert terminate(process) == 0

@@ -31,6 +31,7 @@ from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram  # noqa:
 from mlx_audio.stt.utils import load_audio  # noqa: E402
 from mlx_vlm.utils import load  # noqa: E402
 
+from tools.dequantize_checkpoint import dequantize_checkpoint  # noqa: E402
 from tools.make_checkpoint import write_checkpoint  # noqa: E402
 
 OUT = ROOT / "tests" / "parity" / "golden"
@@ -299,6 +300,10 @@ def main() -> None:
                 save("online_prompt", *online(model, tok, 0, PROMPT))
                 save("codec_roundtrip", *codec_roundtrip(model))
             (OUT / f"layout{suffix or '_dense'}.json").write_text(json.dumps(layout(model), indent=0) + "\n")
+            if suffix == "_4bit":  # the language service's --weights-dtype bfloat16 on this checkpoint
+                dense = dequantize_checkpoint(folder, Path(tmp) / "tiny_4bit_bf16")
+                dense_model, dense_tok = load(str(dense), strict=True)
+                save("offline_4bit_bf16", *slim(*offline(dense_model, dense_tok, 0, None)))
     (OUT / "checkpoints.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

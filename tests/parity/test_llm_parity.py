@@ -83,3 +83,17 @@ def test_prompt_ids_are_bos_tokens_eos(engines):
     z, _ = _golden("offline_prompt")
     assert engines["dense"].prompt_ids(PROMPT) == z["prompt_ids"].tolist()
     assert engines["dense"].prompt_ids("   ") == []
+
+
+def test_bf16_weights_mode_equals_the_reference_on_the_dequantized_checkpoint(tiny4_checkpoint):
+    """`--weights-dtype bfloat16` dequantizes at load; the reference ran on the checkpoint dequantized the same way
+    (tools/dequantize_checkpoint.py), so ids and logits must agree exactly."""
+    z, _ = _golden("offline_4bit_bf16")
+    engine = LanguageEngine.load(tiny4_checkpoint, weights_dtype="bfloat16")
+    for layer in (engine.model.embed_tokens, engine.model.lm_head, engine.model.function_head):
+        assert layer.spec is None and layer.weight.dtype == mx.bfloat16
+    _, outs = _run(engine, z["audio_embeds"], prompt="", prefix_dtype="float32")
+    np.testing.assert_array_equal([o.text_id for o in outs], z["text_tokens"])
+    np.testing.assert_array_equal([o.function_id for o in outs], z["function_tokens"])
+    n = z["text_logits"].shape[0]
+    np.testing.assert_array_equal(np.stack([np.array(o.text_logits) for o in outs[:n]]), z["text_logits"])

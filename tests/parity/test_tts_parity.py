@@ -21,6 +21,7 @@ OFFLINE = {
     "offline_mixed": "tinymix_checkpoint",
     "offline_prompt_4bit": "tiny4_checkpoint",
     "offline_prompt_mixed": "tinymix_checkpoint",
+    "offline_4bit_bf16": "tiny4_checkpoint",  # the speech weights are dense in every variant
 }
 ONLINE = ["online", "online_prompt"]
 

@@ -219,3 +219,16 @@ def test_packed_codes_dequantize_to_themselves_in_mlx(bits):
     ones, zeros = mx.ones((8, 2)), mx.zeros((8, 2))
     got = mx.dequantize(mx.array(pack_bits(codes, bits)), ones, zeros, group_size=64, bits=bits)
     assert np.array_equal(np.array(got), codes.astype(np.float32))
+
+
+def test_dequantized_copy_holds_the_same_dense_weights_as_dequantizing_at_load(tmp_path, tiny4_checkpoint):
+    from tools.dequantize_checkpoint import dequantize_checkpoint
+
+    dense = Checkpoint(dequantize_checkpoint(tiny4_checkpoint, tmp_path / "dense"))
+    assert dense.config.quantization is None
+    assert not [k for k in dense.tensors if k.endswith((".scales", ".biases"))]
+    at_load = Checkpoint(tiny4_checkpoint).load(ALL).dequantized()
+    copied = dense.load(ALL)
+    assert sorted(copied.keys()) == sorted(at_load.keys())
+    for key in at_load.keys():
+        assert copied.get(key).dtype == at_load.get(key).dtype and mx.array_equal(copied.get(key), at_load.get(key))
