@@ -86,8 +86,9 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
 
     import mlx.core as mx
 
+    from orchestrator.launcher import launched
     from orchestrator.session import OnlineSession, transcript_vocabulary
-    from orchestrator.stream_clients import connect_streams
+    from orchestrator.stream_clients import connect_streams, grpc_stream_clients
     from orchestrator.text import TextDecoder
     from services.common.config import VoiceChatConfig
 
@@ -100,7 +101,8 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
         if event.kind == "audio" and not first:
             first.append((time.perf_counter() - start) * 1000.0)
 
-    with connect_streams(model, in_process=not grpc) as clients:
+    def run(clients) -> OnlineSession:
+        nonlocal start
         session = OnlineSession(clients, config, TextDecoder(model, config), seed=0, pipelined=pipelined,
                                 profile=True, on_event=on_event, rnnt_vocabulary=transcript_vocabulary(model, config))
         with session:
@@ -108,12 +110,49 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
             for offset in range(0, len(audio), 1280):
                 session.push_audio(audio[offset : offset + 1280], 16_000)
             session.flush(pad_partial=True)
+        return session
+
+    services = None
+    if grpc:  # the four services as child processes, so their memory can be read before they stop
+        with launched(model) as children:
+            clients = grpc_stream_clients({name: child.address for name, child in children.items()})
+            try:
+                session = run(clients)
+            finally:
+                clients.close()
+            services = {name: service_memory(child.process.pid) for name, child in children.items()}
+    else:
+        with connect_streams(model, in_process=True) as clients:
+            session = run(clients)
     return {
         "summary": session.profile.summary(drop_first=drop),
         "first_audio_ms": first[0] if first else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if not grpc else None,
         "peak_device_mb": mx.get_peak_memory() / 2**20 if not grpc else None,
+        "services": services,
     }
+
+
+def service_memory(pid: int) -> dict[str, float | None]:
+    """A service process's peak resident memory (Linux /proc) and its GPU memory now (nvidia-smi, when present)."""
+    rss = None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                rss = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    device = None
+    try:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        listing = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+        for row in listing.splitlines():
+            owner, _, used = row.partition(",")
+            if owner.strip() == str(pid):
+                device = float(used)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"peak_rss_mb": rss, "device_mb": device}
 
 
 def reference_online(python: Path, model: Path, seconds: float, drop: int) -> dict:
@@ -161,6 +200,9 @@ def print_online(runs: dict[str, dict]) -> None:
     row("first audio ms", lambda r: r["first_audio_ms"])
     row("peak RSS MB", lambda r: r["peak_rss_mb"])
     row("peak device MB", lambda r: r["peak_device_mb"])
+    for name in ("perception", "llm", "tts", "codec"):
+        for field, label in (("peak_rss_mb", "peak RSS MB"), ("device_mb", "device MB")):
+            row(f"{name} {label}", lambda r, n=name, f=field: (r.get("services") or {}).get(n, {}).get(f))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,9 +42,12 @@ def test_rtf_online_reports_stages_interval_and_latency(tiny_checkpoint, capsys)
     from bench import rtf
 
     assert rtf.main(["online", "--model", str(tiny_checkpoint), "--seconds", "3", "--drop", "2", "--ours-only",
-                     "--json"]) == 0
+                     "--grpc", "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
-    assert set(runs) == {"ours pipelined", "ours sequential"}
+    assert set(runs) == {"ours pipelined", "ours sequential", "ours pipelined gRPC"}
+    services = runs.pop("ours pipelined gRPC")["services"]
+    assert set(services) == {"perception", "llm", "tts", "codec"}
+    assert all(memory["peak_rss_mb"] > 0 for memory in services.values())
     for run in runs.values():
         summary = run["summary"]
         assert summary["frames"] == 38 - 2 and summary["realtime_factor"] > 0
