@@ -2,13 +2,13 @@
 
 Each child is `python -m services.<name> --model DIR --port 0`; it prints `listening on HOST:PORT` once its
 health check says SERVING. Children die with the orchestrator: they are stopped on exit, on Ctrl-C and on
-error, and on Linux the kernel also signals them if the orchestrator itself is killed.
+error, and on Linux the kernel also signals them if the orchestrator itself is killed (each child asks for that
+itself at start, see `services.common.cli.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,20 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.cli import parse_ready_line
+from services.common.cli import PARENT_PID_ENV, parse_ready_line
 
 SERVICES = ("perception", "llm", "tts", "codec")
-_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
     """A service that did not come up."""
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -57,8 +50,10 @@ def spawn_service(name: str, model: Path, extra: list[str] | None = None) -> Ser
     thread that started it ends, which must be this process's lifetime, not a helper thread's."""
     command = [sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
                "--host", "127.0.0.1", "--log-level", "WARNING", *(extra or [])]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_die_with_parent)
+    # No preexec_fn: forking a process that has gRPC loaded runs gRPC's fork handlers in the child, which can
+    # abort it; without one the child is spawned directly and arranges its own death with this process.
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     child = ServiceProcess(name, process)
     threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
     threading.Thread(target=_read_ready, args=(child,), daemon=True).start()

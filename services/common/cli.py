@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
+import signal
 import sys
 import typing
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +29,8 @@ from pathlib import Path
 from services.common.server import DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
 
 MODEL_ENV = "VOICECHAT_MODEL"
+PARENT_PID_ENV = "VOICECHAT_PARENT_PID"  # set by the orchestrator's launcher for the services it starts
+_PR_SET_PDEATHSIG = 1
 READY_PREFIX = "listening on "  # what parse_ready_line looks for
 
 
@@ -112,6 +116,19 @@ def exit_process(code: int) -> typing.NoReturn:
     os._exit(code)
 
 
+def die_with_parent() -> None:
+    """A service started by the orchestrator ends when the orchestrator does, even if it is killed (Linux)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_service(
     build: Callable[[argparse.Namespace], ServiceSpec],
     *,
@@ -121,6 +138,7 @@ def run_service(
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
     """Parse flags, build the service, serve until SIGTERM/SIGINT; returns the process exit code."""
+    die_with_parent()
     parser = build_parser(prog, description)
     if add_arguments is not None:
         add_arguments(parser)

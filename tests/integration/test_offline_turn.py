@@ -183,3 +183,26 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the service processes through /proc (Linux)")
+def test_services_die_with_a_killed_orchestrator(tiny_checkpoint, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint),
+         "--extra-decoding-seconds", "60", "--output-audio", str(tmp_path / "answer.wav")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        services = {}
+        while time.monotonic() < deadline and len(services) < 4:
+            services = {pid: cmd for pid, cmd in children_of(proc.pid).items() if "services." in cmd}
+            time.sleep(0.1)
+        assert len(services) == 4, services
+    finally:
+        proc.kill()  # no chance to stop its children itself
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(running(pid) for pid in services):
+        time.sleep(0.1)
+    assert [pid for pid in services if running(pid)] == []
