@@ -93,6 +93,9 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> Path:
     os.close(fd)
     try:
         sf.write(tmp, to_pcm16(samples), sample_rate, subtype="PCM_16", format="WAV")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; the answer gets the usual mode
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

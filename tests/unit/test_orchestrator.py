@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -139,6 +141,9 @@ def test_write_wav_is_atomic_and_pcm16(tmp_path):
     assert rate == 22_050 and info.channels == 1 and info.subtype == "PCM_16"
     assert data.tolist() == [0, 16384, -32767, 32767] == to_pcm16(np.array([0, 0.5, -2, 1])).tolist()
     assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     with pytest.raises(AudioError, match="no such folder"):
         write_wav(tmp_path / "missing" / "out.wav", np.zeros(3, np.float32), 22_050)
 
