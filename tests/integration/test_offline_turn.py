@@ -128,6 +128,17 @@ def test_bad_inputs_fail_in_one_line(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "never.wav").exists()
 
 
+def wait_for_services(pid: int, timeout_s: float = 60) -> dict[int, str]:
+    """The four service processes the orchestrator `pid` started, once they all exist."""
+    deadline = time.monotonic() + timeout_s
+    services: dict[int, str] = {}
+    while time.monotonic() < deadline and len(services) < 4:
+        services = {child: cmd for child, cmd in children_of(pid).items() if "services." in cmd}
+        time.sleep(0.1)
+    assert len(services) == 4, services
+    return services
+
+
 def children_of(pid: int) -> dict[int, str]:
     found = {}
     for entry in Path("/proc").iterdir():
@@ -152,12 +163,7 @@ def test_a_service_killed_mid_turn_is_named_and_leaves_nothing_behind(tiny_check
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        services = {}
-        while time.monotonic() < deadline and len(services) < 4:
-            services = {pid: cmd for pid, cmd in children_of(proc.pid).items() if "services." in cmd}
-            time.sleep(0.1)
-        assert len(services) == 4, services
+        services = wait_for_services(proc.pid)
         time.sleep(3.0)  # loaded and into the turn
         victim = next(pid for pid, cmd in services.items() if "services.tts" in cmd)
         os.kill(victim, signal.SIGKILL)
@@ -193,12 +199,7 @@ def test_services_die_with_a_killed_orchestrator(tiny_checkpoint, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 60
-        services = {}
-        while time.monotonic() < deadline and len(services) < 4:
-            services = {pid: cmd for pid, cmd in children_of(proc.pid).items() if "services." in cmd}
-            time.sleep(0.1)
-        assert len(services) == 4, services
+        services = wait_for_services(proc.pid)
     finally:
         proc.kill()  # no chance to stop its children itself
         proc.wait()
