@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
-from orchestrator.connect import ServiceError, connect, parse_services
+from orchestrator.connect import ServiceError, add_deadline_flags, connect, deadlines_from_args, parse_services
 from orchestrator.model import resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
@@ -36,6 +36,7 @@ from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
+from services.common.server import DEFAULT_GRACE_S
 
 
 class UsageError(ValueError):
@@ -48,6 +49,7 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--services", type=parse_services, metavar="perception=HOST:PORT,llm=...,tts=...,codec=...",
                        help="use running services instead of starting them")
     where.add_argument("--in-process", action="store_true", help="run the engines in this process")
+    add_deadline_flags(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +103,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-streaming-seconds", type=float, default=600.0,
                        help="upper bound on one conversation's input audio (default 600)")
     serve.add_argument("--sequential", action="store_true", help="run each session's stages without pipelining")
+    serve.add_argument("--drain-seconds", type=float, default=DEFAULT_GRACE_S,
+                       help="on SIGTERM: new conversations are refused and running ones get this many seconds, then "
+                            f"end with an error (default {DEFAULT_GRACE_S:g})")
     serve.add_argument("--no-realtime", action="store_true", help="serve gRPC only, without ws://.../v1/realtime")
     serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
     add_realtime_flags(serve)
@@ -158,7 +163,8 @@ def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.nd
 def offline(args: argparse.Namespace) -> int:
     model, config, waveform, decoder = prepare_turn(args)
     prompt = config.default_system_prompt if args.system_prompt is None else args.system_prompt
-    with connect(model, services=args.services, in_process=args.in_process) as clients:
+    with connect(model, services=args.services, in_process=args.in_process,
+                 deadlines=deadlines_from_args(args)) as clients:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)
     text = decoder.decode(result.text_tokens)
     function_text = decoder.decode(result.function_tokens)
@@ -202,7 +208,8 @@ def stream(args: argparse.Namespace) -> int:
             sys.stdout.write(event.delta)
             sys.stdout.flush()
 
-    with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
+    with connect_streams(model, services=args.services, in_process=args.in_process,
+                         deadlines=deadlines_from_args(args)) as clients:
         session = OnlineSession(clients, config, decoder, system_prompt=args.system_prompt, seed=args.seed,
                                 max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                                 profile=args.profile, record=bool(args.dump), on_event=show,
@@ -284,15 +291,18 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port {args.port}: must be 0..65535")
     if not args.max_streaming_seconds > 0:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
+    if args.drain_seconds < 0:
+        raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     model = resolve_model(args.model)
-    with connect_streams(model, services=args.services, in_process=args.in_process) as clients:
+    with connect_streams(model, services=args.services, in_process=args.in_process,
+                         deadlines=deadlines_from_args(args)) as clients:
         realtime = None
         if not args.no_realtime:
             factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)
             realtime = server_from_args(args, factory)
         run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                    max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
-                   realtime=realtime)
+                   realtime=realtime, drain_seconds=args.drain_seconds)
     return 0
 
 

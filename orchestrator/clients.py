@@ -6,6 +6,7 @@ byte-identical results either way; the in-process pair exists for tests and to m
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from dataclasses import dataclass
@@ -26,10 +27,36 @@ from protos.voicechat.v1 import (
     speech_pb2,
     speech_pb2_grpc,
 )
+from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
 
 MAX_MESSAGE_BYTES = 64 << 20
-CALL_TIMEOUT_S = 600.0  # a whole-utterance call on a long input; a dead service fails far sooner
+
+# The health-checked service name of each network, for client-side health checking across replicas.
+HEALTH_SERVICES = {
+    "perception": full_service_name(perception_pb2, "PerceptionService"),
+    "llm": full_service_name(language_pb2, "LanguageService"),
+    "tts": full_service_name(speech_pb2, "SpeechService"),
+    "codec": full_service_name(codec_pb2, "CodecService"),
+}
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long the orchestrator waits on a service before it calls the service gone (seconds).
+
+    A stream's first message (opening a session: the system-prompt prefill, the speech prefix) gets `open_s`,
+    every later message (one frame) `frame_s`, a whole-utterance unary call `unary_s`.
+    """
+
+    open_s: float = 60.0
+    frame_s: float = 10.0
+    unary_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("open_s", "frame_s", "unary_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"deadline {name} must be positive, got {getattr(self, name)}")
 
 
 class ServiceError(RuntimeError):
@@ -44,20 +71,39 @@ def _fail(name: str, address: str, exc: grpc.RpcError) -> ServiceError:
     return ServiceError(f"the {name} service at {address} failed: {code.name if code else 'error'}: {detail}")
 
 
-class Channel:
-    """One service's channel and stub, with calls that turn gRPC failures into a ServiceError naming it."""
+def service_config(name: str) -> str:
+    """The channel's service config: round-robin over every address the target resolves to (the replicas of
+    one network behind a DNS name or an `ipv4:` list), skipping replicas whose health is not SERVING."""
+    return json.dumps({
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": HEALTH_SERVICES[name]},
+    })
 
-    def __init__(self, name: str, address: str, stub_class):
+
+class Channel:
+    """One network's channel and stub, with calls that turn gRPC failures into a ServiceError naming it.
+
+    `address` is any gRPC target: HOST:PORT, `dns:///NAME:PORT` (every replica the name resolves to), or
+    `ipv4:HOST:PORT,HOST:PORT`. Each new stream goes to the next healthy replica; a session is one stream,
+    so it stays on the replica it started on.
+    """
+
+    def __init__(self, name: str, address: str, stub_class, deadlines: Deadlines | None = None):
         self.name, self.address = name, address
+        self.deadlines = deadlines or Deadlines()
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)]
+                   ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
+                   ("grpc.service_config", service_config(name)),
+                   # a restarted replica is tried again within a second or two, not after minutes of backoff
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = stub_class(self.channel)
 
-    def unary(self, method: str, request):
+    def unary(self, method: str, request, timeout: float | None = None):
         try:
-            return getattr(self.stub, method)(request, timeout=CALL_TIMEOUT_S)
+            return getattr(self.stub, method)(request, timeout=timeout or self.deadlines.unary_s)
         except grpc.RpcError as exc:
             raise _fail(self.name, self.address, exc) from None
 
@@ -69,29 +115,56 @@ class Channel:
 
 
 class BidiStream:
-    """A bidirectional stream used as request/response pairs: `call(message)` sends one and waits for one."""
+    """A bidirectional stream used as request/response pairs: `call(message)` sends one and waits for one.
+
+    Every call has a deadline (the channel's `Deadlines`: `open_s` for the first message, `frame_s` after);
+    a service that does not answer in time, or whose stream breaks, raises a ServiceError naming it, and the
+    stream is then closed for good (a late answer can never be taken for the next call's).
+    """
 
     _END = object()
+    _EOF = object()
 
     def __init__(self, channel: Channel, method: str):
         self.channel = channel
-        self._requests: queue.Queue = queue.Queue()
-        self._responses = getattr(channel.stub, method)(iter(self._next_request, self._END))
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = getattr(channel.stub, method)(iter(self._requests.get, self._END))
         self._lock = threading.Lock()
+        self._calls = 0
+        self._broken: ServiceError | None = None
+        threading.Thread(target=self._read, name=f"{channel.name}-replies", daemon=True).start()
 
-    def _next_request(self):
-        return self._requests.get()
+    def _read(self) -> None:
+        try:
+            for reply in self._responses:
+                self._replies.put(reply)
+            self._replies.put(self._EOF)
+        except grpc.RpcError as exc:
+            self._replies.put(exc)
 
     def call(self, message):
+        name, address = self.channel.name, self.channel.address
         with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            timeout = self.channel.deadlines.open_s if self._calls == 0 else self.channel.deadlines.frame_s
+            self._calls += 1
             self._requests.put(message)
             try:
-                return next(self._responses)
-            except grpc.RpcError as exc:
-                raise _fail(self.channel.name, self.channel.address, exc) from None
-            except StopIteration:
-                raise ServiceError(f"the {self.channel.name} service at {self.channel.address} ended the "
-                                   "session unexpectedly") from None
+                reply = self._replies.get(timeout=timeout)
+            except queue.Empty:
+                self._broken = ServiceError(f"the {name} service at {address} did not answer within {timeout:g} s "
+                                            "(deadline exceeded); its session was abandoned")
+                self._responses.cancel()
+                raise self._broken from None
+            if isinstance(reply, grpc.RpcError):
+                self._broken = _fail(name, address, reply)
+                raise self._broken
+            if reply is self._EOF:
+                self._broken = ServiceError(f"the {name} service at {address} ended the session unexpectedly")
+                raise self._broken
+            return reply
 
     def close(self) -> None:
         self._requests.put(self._END)
@@ -102,8 +175,8 @@ class BidiStream:
 
 
 class GrpcPerception:
-    def __init__(self, address: str):
-        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub)
+    def __init__(self, address: str, deadlines: Deadlines | None = None):
+        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub, deadlines)
 
     def encode(self, waveform: np.ndarray) -> PerceptionResult:
         reply = self.channel.unary("Encode", perception_pb2.EncodeRequest(
@@ -133,8 +206,9 @@ class GrpcLanguageSession:
 
 
 class GrpcLanguage:
-    def __init__(self, address: str, prefix_precision: int = language_pb2.PREFIX_PRECISION_FLOAT32):
-        self.channel = Channel("llm", address, language_pb2_grpc.LanguageServiceStub)
+    def __init__(self, address: str, prefix_precision: int = language_pb2.PREFIX_PRECISION_FLOAT32,
+                 deadlines: Deadlines | None = None):
+        self.channel = Channel("llm", address, language_pb2_grpc.LanguageServiceStub, deadlines)
         self.prefix_precision = prefix_precision
 
     def open(self, system_prompt: str) -> GrpcLanguageSession:
@@ -163,8 +237,8 @@ class GrpcSpeechSession:
 
 
 class GrpcSpeech:
-    def __init__(self, address: str):
-        self.channel = Channel("tts", address, speech_pb2_grpc.SpeechServiceStub)
+    def __init__(self, address: str, deadlines: Deadlines | None = None):
+        self.channel = Channel("tts", address, speech_pb2_grpc.SpeechServiceStub, deadlines)
 
     def info(self) -> SpeechInfo:
         reply = self.channel.unary("Describe", speech_pb2.SpeechDescribeRequest())
@@ -179,8 +253,8 @@ class GrpcSpeech:
 
 
 class GrpcCodec:
-    def __init__(self, address: str):
-        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub)
+    def __init__(self, address: str, deadlines: Deadlines | None = None):
+        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub, deadlines)
 
     def prompt_codes(self, frames: int) -> np.ndarray:
         return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
@@ -190,9 +264,10 @@ class GrpcCodec:
         return from_proto_np(reply.waveform)
 
 
-def grpc_clients(addresses: dict[str, str]) -> Clients:
-    return Clients(GrpcPerception(addresses["perception"]), GrpcLanguage(addresses["llm"]),
-                   GrpcSpeech(addresses["tts"]), GrpcCodec(addresses["codec"]))
+def grpc_clients(addresses: dict[str, str], deadlines: Deadlines | None = None) -> Clients:
+    return Clients(GrpcPerception(addresses["perception"], deadlines),
+                   GrpcLanguage(addresses["llm"], deadlines=deadlines),
+                   GrpcSpeech(addresses["tts"], deadlines), GrpcCodec(addresses["codec"], deadlines))
 
 
 def close_clients(clients: Clients) -> None:

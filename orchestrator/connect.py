@@ -3,31 +3,65 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from orchestrator.clients import ServiceError, close_clients, grpc_clients, local_clients
+from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients, local_clients
 from orchestrator.launcher import SERVICES, LaunchError, launched
 from orchestrator.timeline import Clients
 
-__all__ = ["ServiceError", "connect", "parse_services"]
+__all__ = ["Deadlines", "ServiceError", "add_deadline_flags", "connect", "deadlines_from_args", "parse_services"]
 
 
 def parse_services(text: str) -> dict[str, str]:
-    """`perception=HOST:PORT,llm=HOST:PORT,tts=HOST:PORT,codec=HOST:PORT` -> name -> address."""
+    """`perception=TARGET,llm=TARGET,tts=TARGET,codec=TARGET` -> name -> gRPC target.
+
+    A target is HOST:PORT, or any gRPC target naming the replicas of one network: `dns:///NAME:PORT` or
+    `ipv4:HOST:PORT,HOST:PORT` (its commas stay with it: a new entry starts only at `NAME=`)."""
+    entries = re.split(rf",\s*(?=(?:{'|'.join(SERVICES)})=)", text.strip())
     addresses: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in filter(None, (p.strip() for p in entries)):
         name, sep, address = part.partition("=")
-        if not sep or name not in SERVICES or ":" not in address:
+        if not sep or name not in SERVICES or not _is_target(address):
             raise ValueError(
-                f"--services entry {part!r}: expected NAME=HOST:PORT with NAME one of {', '.join(SERVICES)}"
+                f"--services entry {part!r}: expected NAME=HOST:PORT (or a gRPC target such as dns:///HOST:PORT) "
+                f"with NAME one of {', '.join(SERVICES)}"
             )
+        if name in addresses:
+            raise ValueError(f"--services names {name} twice; give each of the four once")
         addresses[name] = address
     missing = [name for name in SERVICES if name not in addresses]
     if missing:
         raise ValueError(f"--services is missing {', '.join(missing)}; give all four as NAME=HOST:PORT")
     return addresses
+
+
+def _is_target(address: str) -> bool:
+    scheme, sep, rest = address.partition(":")
+    if sep and scheme in _SCHEMES:
+        return bool(rest.strip("/"))
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock")
+
+
+def add_deadline_flags(parser: argparse.ArgumentParser) -> None:
+    """--open-timeout and --frame-timeout: how long a service may take before the orchestrator calls it gone."""
+    default = Deadlines()
+    parser.add_argument("--open-timeout", type=float, default=default.open_s, metavar="S",
+                        help=f"seconds a service may take to open a session (default {default.open_s:g})")
+    parser.add_argument("--frame-timeout", type=float, default=default.frame_s, metavar="S",
+                        help=f"seconds a service may take for one frame before the session ends with an error "
+                             f"naming it (default {default.frame_s:g})")
+
+
+def deadlines_from_args(args: argparse.Namespace) -> Deadlines:
+    return Deadlines(open_s=args.open_timeout, frame_s=args.frame_timeout)
 
 
 @contextlib.contextmanager
@@ -51,13 +85,14 @@ def serving(model: Path, services: dict[str, str] | None = None) -> Iterator[dic
 
 
 @contextlib.contextmanager
-def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False) -> Iterator[Clients]:
+def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
+            deadlines: Deadlines | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
     with serving(model, services) as addresses:
-        clients = grpc_clients(addresses)
+        clients = grpc_clients(addresses, deadlines)
         try:
             yield clients
         finally:

@@ -29,7 +29,7 @@ from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc
 from services.common.cli import announce
 from services.common.config import VoiceChatConfig
-from services.common.server import full_service_name, serve
+from services.common.server import DEFAULT_GRACE_S, full_service_name, serve
 from services.common.tensors import from_proto_np, to_proto_np
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,17 @@ def audio_samples(audio: pb.AudioIn, rate_hz: int) -> np.ndarray:
     raise ValueError("AudioIn carries no samples (set pcm16 or float32)")
 
 
+async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Poll `condition` on the event loop for up to timeout_s; whether it came true."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
+
+
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
                  max_streaming_seconds: float = 600.0, pipelined: bool = True):
@@ -98,6 +109,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.max_streaming_seconds = max_streaming_seconds
         self.pipelined = pipelined
         self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
+        self.draining = False  # set by drain(): new conversations are refused
+        self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
         self._ids = itertools.count(1)
 
     def _seconds(self, requested: float) -> float:
@@ -131,6 +144,10 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 except ValueError as exc:
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
+                if self.draining:
+                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE,
+                                 "this server is shutting down; open the conversation on another instance")
+                    return
                 if self.live_sessions >= self.max_sessions:
                     yield _error(pb.ERROR_CODE_SERVER_BUSY,
                                  f"all {self.max_sessions} conversation slots are taken; try again later")
@@ -164,10 +181,12 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 session_id=f"conversation-{next(self._ids)}", frame_samples=session.frame_samples,
                 output_sample_rate_hz=self.config.output_sample_rate,
                 input_sample_rate_hz=self.config.input_sample_rate))
+            self._outboxes.add(out)
             reader = asyncio.create_task(self._read(request_iterator, session, drive, out))
             async for message in self._write(session, out, reader):
                 yield message
         finally:
+            self._outboxes.discard(out)
             if reader is not None:
                 reader.cancel()
             if session is not None:
@@ -178,6 +197,17 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
 
     def _release(self) -> None:
         self.live_sessions -= 1
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new conversations, give the running ones `grace_s` seconds to end, then end
+        each that is left with a SERVICE_UNAVAILABLE error saying so, and wait (briefly) for their sessions."""
+        self.draining = True
+        log.info("draining: %d conversation(s) running, %.1f s grace", self.live_sessions, grace_s)
+        if not await _wait_until(lambda: self.live_sessions == 0, grace_s):
+            message = f"this server is shutting down and its {grace_s:g} s drain period is over; the conversation ended"
+            for outbox in list(self._outboxes):
+                outbox.put_nowait(_Fatal(pb.ERROR_CODE_SERVICE_UNAVAILABLE, message))
+            await _wait_until(lambda: self.live_sessions == 0, 5.0)
 
     async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue) -> None:
         """Apply the client's messages in order; problems go to `out` as (code, message) or _Fatal."""
@@ -270,18 +300,26 @@ def registrations(servicer: ConversationServicer):
 
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
-               realtime=None) -> None:
+               realtime=None, drain_seconds: float = DEFAULT_GRACE_S) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
-    as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`)."""
+    as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
+
+    On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
+    error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined)
 
+    async def drain(grace_s: float) -> None:
+        waits = [servicer.drain(grace_s)] + ([realtime.drain(grace_s)] if realtime is not None else [])
+        await asyncio.gather(*waits)
+
     async def main() -> None:
+        options = dict(host=host, port=port, on_ready=announce, grace_s=drain_seconds, drain=drain)
         if realtime is None:
-            await serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce)
+            await serve(registrations(servicer), [SERVICE_NAME], **options)
             return
         async with realtime:
             print(f"realtime on {realtime.url}", flush=True)
-            await serve(registrations(servicer), [SERVICE_NAME], host=host, port=port, on_ready=announce)
+            await serve(registrations(servicer), [SERVICE_NAME], **options)
 
     asyncio.run(main())

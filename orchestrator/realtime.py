@@ -52,12 +52,14 @@ MIB = 1 << 20
 
 # WebSocket close codes (RFC 6455 section 7.4.1)
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # the server is shutting down
 CLOSE_POLICY = 1008  # no session.update in time, or an idle configured session
 CLOSE_INTERNAL = 1011  # the commit's flush failed: there is no response.done to send
 CLOSE_TRY_AGAIN = 1013  # server_busy
 
 INVALID_REQUEST = "invalid_request"
 SERVER_BUSY = "server_busy"
+SERVER_SHUTTING_DOWN = "server_shutting_down"
 SESSION_INITIALIZATION_FAILED = "session_initialization_failed"
 INFERENCE_ERROR = "inference_error"
 
@@ -261,6 +263,8 @@ class RealtimeServer:
         self.max_sessions = max_sessions
         self.limits = limits or RealtimeLimits()
         self.live_sessions = 0  # connections holding a slot; touched only on the event loop
+        self.draining = False  # set by drain(): upgrades are refused with 503
+        self._connections: set[_Connection] = set()
         self._server: Server | None = None
 
     @property
@@ -285,6 +289,17 @@ class RealtimeServer:
             await self._server.wait_closed()
             self._server = None
 
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new connections (503), give live sessions `grace_s` seconds to end, then send
+        each one left a `server_shutting_down` error, free its session and close it with 1001."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.live_sessions and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        message = f"the server is shutting down and its {grace_s:g} s drain period is over; the session ended"
+        await asyncio.gather(*(c.shut_down(message) for c in list(self._connections)))
+
     async def serve_forever(self) -> None:
         if self._server is None:
             await self.start()
@@ -299,6 +314,9 @@ class RealtimeServer:
     # ---------------------------------------------------------------------------------------- the upgrade
 
     def _check_upgrade(self, connection: ServerConnection, request: Request) -> Response | None:
+        if self.draining:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
+                                      "this server is shutting down; connect to another instance\n")
         if urlsplit(request.path).path != self.path:
             return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint; the realtime socket is {self.path}\n")
         if self.api_key is not None:
@@ -331,12 +349,14 @@ class RealtimeServer:
             return
         self.live_sessions += 1
         connection = _Connection(self, websocket)
+        self._connections.add(connection)
         log.info("realtime %s: connected (%d/%d slots)", connection.id, self.live_sessions, self.max_sessions)
         try:
             await connection.run()
         except ConnectionClosed:
             log.info("realtime %s: the client disconnected", connection.id)
         finally:
+            self._connections.discard(connection)
             await connection.end_session()
             connection.release()
 
@@ -536,6 +556,15 @@ class _Connection:
         self.release()
         await self.websocket.close(code, reason)
 
+    async def shut_down(self, message: str) -> None:
+        """The server is going away: say so, free the session and close with 1001."""
+        try:
+            await self.error(SERVER_SHUTTING_DOWN, message)
+            await self.finish(CLOSE_GOING_AWAY, "server shutting down")
+        except ConnectionClosed:
+            await self.end_session()
+            self.release()
+
     async def end_session(self) -> None:
         """Close the session (a no-op after flush or cancel; frees every service's state otherwise)."""
         session, self.session = self.session, None
@@ -575,13 +604,19 @@ def _parse(frame: str | bytes) -> dict | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from orchestrator.connect import add_deadline_flags
+
     parser = argparse.ArgumentParser(prog="python -m orchestrator.realtime",
                                      description="Serve /v1/realtime alone (orchestrator serve runs it too).")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: $VOICECHAT_MODEL, else demo)")
     parser.add_argument("--services", default=None, help="perception=HOST:PORT,llm=...,tts=...,codec=...")
     parser.add_argument("--in-process", action="store_true", help="run the four engines inside this process")
+    add_deadline_flags(parser)
     parser.add_argument("--alias", default=None, help="model id session.updated reports (default: folder name)")
     add_realtime_flags(parser, port_flag="--port")
+    parser.add_argument("--drain-seconds", type=float, default=5.0,
+                        help="on SIGTERM: new connections are refused and live sessions get this many seconds, then "
+                             "end with server_shutting_down (default 5)")
     return parser
 
 
@@ -622,7 +657,7 @@ def server_from_args(args: argparse.Namespace, factory: SessionFactory) -> Realt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orchestrator.connect import parse_services
+    from orchestrator.connect import deadlines_from_args, parse_services
     from orchestrator.model import resolve_model
     from orchestrator.stream_clients import connect_streams
 
@@ -631,7 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         services = parse_services(args.services) if args.services else None
         model = resolve_model(args.model)
-        with connect_streams(model, services=services, in_process=args.in_process) as clients:
+        with connect_streams(model, services=services, in_process=args.in_process,
+                             deadlines=deadlines_from_args(args)) as clients:
             server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
                                                                      pipelined=args.realtime_pipelined))
 
@@ -642,6 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 async with server:
                     print(f"realtime on {server.url}", flush=True)
                     await stop.wait()
+                    await server.drain(args.drain_seconds)
 
             asyncio.run(run())
     except KeyboardInterrupt:

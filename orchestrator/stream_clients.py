@@ -25,6 +25,7 @@ import numpy as np
 from orchestrator.clients import (
     BidiStream,
     Channel,
+    Deadlines,
     GrpcLanguage,
     GrpcSpeech,
     LocalLanguageSession,
@@ -108,8 +109,8 @@ class GrpcPerceptionStream:
 
 
 class GrpcPerceptionStreams:
-    def __init__(self, address: str, sample_rate_hz: int = 16_000):
-        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub)
+    def __init__(self, address: str, sample_rate_hz: int = 16_000, deadlines: Deadlines | None = None):
+        self.channel = Channel("perception", address, perception_pb2_grpc.PerceptionServiceStub, deadlines)
         self.sample_rate_hz = sample_rate_hz
 
     def open(self) -> GrpcPerceptionStream:
@@ -137,8 +138,8 @@ class GrpcCodecStream:
 
 
 class GrpcCodecStreams:
-    def __init__(self, address: str):
-        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub)
+    def __init__(self, address: str, deadlines: Deadlines | None = None):
+        self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub, deadlines)
 
     def prompt_codes(self, frames: int) -> np.ndarray:
         return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
@@ -147,12 +148,13 @@ class GrpcCodecStreams:
         return GrpcCodecStream(self.channel)
 
 
-def grpc_stream_clients(addresses: dict[str, str]) -> StreamClients:
+def grpc_stream_clients(addresses: dict[str, str], deadlines: Deadlines | None = None) -> StreamClients:
+    """Clients of the four services at `addresses` (any gRPC targets; see Channel), with these deadlines."""
     return StreamClients(
-        GrpcPerceptionStreams(addresses["perception"]),
-        GrpcLanguage(addresses["llm"], prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16),
-        GrpcSpeech(addresses["tts"]),
-        GrpcCodecStreams(addresses["codec"]),
+        GrpcPerceptionStreams(addresses["perception"], deadlines=deadlines),
+        GrpcLanguage(addresses["llm"], prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16, deadlines=deadlines),
+        GrpcSpeech(addresses["tts"], deadlines),
+        GrpcCodecStreams(addresses["codec"], deadlines),
     )
 
 
@@ -309,8 +311,8 @@ class LocalEngines:
 
 
 @contextlib.contextmanager
-def connect_streams(model: Path, *, services: dict[str, str] | None = None,
-                    in_process: bool = False) -> Iterator[StreamClients]:
+def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
+                    deadlines: Deadlines | None = None) -> Iterator[StreamClients]:
     """Stream clients to the four services: started here as children (the default), already running
     (`services`), or the engines in this process. Call from the main thread (children die with it)."""
     from orchestrator.connect import serving
@@ -323,7 +325,7 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None,
             engines.close()
         return
     with serving(model, services) as addresses:
-        clients = grpc_stream_clients(addresses)
+        clients = grpc_stream_clients(addresses, deadlines)
         try:
             yield clients
         finally:

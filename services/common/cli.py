@@ -1,6 +1,7 @@
 """The command line shared by the services' `__main__`:
 
-    python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--log-level L]
+    python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
+                             [--log-level L]
 
 --model defaults to $VOICECHAT_MODEL. Once the model has loaded and health says SERVING, the process prints
 `listening on HOST:PORT` (flushed) to stdout, so a parent that started it with --port 0 can parse the port.
@@ -26,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.server import DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
+from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
 
 MODEL_ENV = "VOICECHAT_MODEL"
 PARENT_PID_ENV = "VOICECHAT_PARENT_PID"  # set by the orchestrator's launcher for the services it starts
@@ -62,6 +63,13 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         help=f"largest gRPC message sent or received, in MiB (default {DEFAULT_MAX_MESSAGE_MB})",
     )
     parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="on SIGTERM: health turns NOT_SERVING, new sessions are refused, and running ones get this many "
+        f"seconds before they are cut (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -82,6 +90,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--port {args.port}: must be 0..65535")
     if args.max_message_mb <= 0:
         parser.error(f"--max-message-mb {args.max_message_mb}: must be positive")
+    if args.drain_seconds < 0:
+        parser.error(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     return args
 
 
@@ -154,6 +164,7 @@ def run_service(
                 host=args.host,
                 port=args.port,
                 max_message_mb=args.max_message_mb,
+                grace_s=args.drain_seconds,
                 load=spec.load,
                 on_ready=announce,
             )

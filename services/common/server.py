@@ -278,11 +278,17 @@ async def serve(
     on_ready: Callable[[RunningServer], None] | None = None,
     grace_s: float = DEFAULT_GRACE_S,
     stop: asyncio.Event | None = None,
+    drain: Callable[[float], Awaitable[None]] | None = None,
 ) -> None:
     """Run a server until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
 
     The server listens at once with health NOT_SERVING, awaits load(), turns SERVING and calls on_ready.
     A load() failure stops the server and propagates.
+
+    Shutting down, health turns NOT_SERVING (so health-checking clients send new sessions elsewhere). Without
+    `drain`, new calls are refused and calls in flight get grace_s seconds before they are cancelled. With it,
+    the server keeps taking calls while `drain(grace_s)` runs (the servicer refuses new sessions itself and
+    ends the last ones with a message of its own), then stops with one more second for those messages.
     """
     stop = stop or asyncio.Event()
     running = await start_server(
@@ -304,4 +310,9 @@ async def serve(
             task.cancel()
         undo_signals()
         log.info("shutting down (grace %.1f s)", grace_s)
-        await running.stop(grace_s)
+        if drain is not None and running.serving:
+            await running.health.enter_graceful_shutdown()
+            await drain(grace_s)
+            await running.stop(1.0)
+        else:
+            await running.stop(grace_s)
