@@ -45,10 +45,12 @@ def _drain(stream, sink: list[str]) -> None:
         del sink[:-200]
 
 
-def spawn_service(name: str, model: Path, extra: list[str] | None = None) -> ServiceProcess:
-    """Start one service on a free port. Call from the main thread: on Linux the child is signalled when the
+def spawn_service(name: str, model: Path, extra: list[str] | None = None,
+                  wrapper: list[str] | None = None) -> ServiceProcess:
+    """Start one service on a free port (`extra` flags override; `wrapper` runs the command through another
+    that execs it, e.g. `ip netns exec NS`). Call from the main thread: on Linux the child is signalled when the
     thread that started it ends, which must be this process's lifetime, not a helper thread's."""
-    command = [sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
+    command = [*(wrapper or []), sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
                "--host", "127.0.0.1", "--log-level", "WARNING", *(extra or [])]
     # No preexec_fn: forking a process that has gRPC loaded runs gRPC's fork handlers in the child, which can
     # abort it; without one the child is spawned directly and arranges its own death with this process.
