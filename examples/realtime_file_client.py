@@ -84,7 +84,9 @@ async def converse(url: str, samples: np.ndarray, *, system_prompt: str | None =
     """One conversation: configure, append every chunk, commit, and collect events until the socket closes."""
     answer = answer or Answer()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with connect(url, additional_headers=headers, max_size=None) as ws:
+    # No client pings: a server working through a backlog of appends reads our ping only after them, so its
+    # pong could come later than any timeout; the server pings us and we answer at once.
+    async with connect(url, additional_headers=headers, max_size=None, ping_interval=None) as ws:
         created = json.loads(await ws.recv())
         if created.get("type") != "session.created":
             answer.handle(created)

@@ -276,8 +276,11 @@ class RealtimeServer:
 
     async def start(self) -> RealtimeServer:
         host = self.host.strip("[]") or None
+        # Pings keep idle proxies from dropping the socket, but a missing pong ends nothing: a client that sends
+        # audio faster than real time has its pong queued behind appends we have not read yet. Dead clients are
+        # found by failed sends and the idle timeout instead.
         self._server = await serve(self._handle, host, self.port, process_request=self._check_upgrade,
-                                   max_size=self.limits.max_message_bytes, compression=None)
+                                   max_size=self.limits.max_message_bytes, compression=None, ping_timeout=None)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("realtime gateway on %s", self.url)
         return self

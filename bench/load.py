@@ -1,0 +1,324 @@
+"""Hold K concurrent conversations against a running orchestrator and report what the clients saw.
+
+    python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
+                         [--address HOST:PORT] [--realtime URL] [--input WAV] [--json]
+
+Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
+stopped after. Each conversation sends S seconds of speech (the input looped, each conversation from its own
+offset and with its own seed) as 80 ms PCM16 chunks, through the gRPC Converse stream or the /v1/realtime
+WebSocket, paced like a live microphone (`live`, the default) or as fast as the server takes it (`burst`), then
+flushes. No conversation sends past --duration seconds after its start (a bounded run).
+
+Reported per transport: conversations, frames delivered, frames per second over the run, the interval between a
+conversation's consecutive audio frames (p50/p95), errors, and lost frames (frames sent but never answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from orchestrator.audio import read_audio, to_pcm16
+from orchestrator.profile import percentile
+from protos.voicechat.v1 import conversation_pb2 as pb
+from protos.voicechat.v1 import conversation_pb2_grpc
+from services.common.cli import parse_ready_line
+from services.common.tensors import from_proto_np
+
+FRAME = 1280  # samples per 80 ms frame at 16 kHz
+FRAME_S = 0.08
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "question.wav"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    samples: np.ndarray  # float32, 16 kHz
+    seed: int
+
+    def pcm16(self) -> bytes:
+        return to_pcm16(self.samples).astype("<i2").tobytes()
+
+
+@dataclass
+class Outcome:
+    """What one conversation's client received; `signature()` is what must not depend on load or transport."""
+
+    transport: str
+    frames_sent: int = 0
+    frames: int = 0  # audio frames received
+    done: bool = False
+    transcript: str = ""
+    text_ids: list[int] = field(default_factory=list)
+    function_ids: list[int] = field(default_factory=list)
+    codes: list[tuple[int, ...]] = field(default_factory=list)
+    audio: bytearray = field(default_factory=bytearray)  # PCM16 little-endian at 22.05 kHz
+    errors: list[str] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # monotonic time of each audio frame
+
+    @property
+    def lost(self) -> int:
+        return max(self.frames_sent - self.frames, 0)
+
+    def signature(self) -> tuple:
+        return (self.frames, self.done, self.transcript, tuple(self.text_ids), tuple(self.function_ids),
+                tuple(self.codes), bytes(self.audio))
+
+    def add_audio(self, codes, pcm16: bytes, now: float) -> None:
+        self.frames += 1
+        self.codes.append(tuple(int(c) for c in codes))
+        self.audio += pcm16
+        self.arrivals.append(now)
+
+
+def conversations(samples: np.ndarray, count: int, seconds: float) -> list[Conversation]:
+    """`count` conversations of `seconds` each: the input looped, each from its own offset, with its own seed."""
+    length = int(round(seconds * 16_000))
+    reps = math.ceil((length + FRAME * 3 * count) / max(len(samples), 1))
+    looped = np.tile(samples.astype(np.float32), reps)
+    return [Conversation(looped[FRAME * 3 * k : FRAME * 3 * k + length].copy(), seed=k) for k in range(count)]
+
+
+def _chunks(data: bytes) -> Iterator[bytes]:
+    step = FRAME * 2
+    for start in range(0, len(data), step):
+        yield data[start : start + step]
+
+
+async def _paced(data: bytes, pace: str, duration_s: float, outcome: Outcome):
+    """The PCM16 chunks in order, each when a live microphone would have it (pace `live`), until duration_s."""
+    start = time.monotonic()
+    for i, chunk in enumerate(_chunks(data)):
+        if pace == "live":
+            await asyncio.sleep(max(0.0, start + (i + 1) * FRAME_S - time.monotonic()))
+        if time.monotonic() - start > duration_s:
+            return
+        outcome.frames_sent += math.ceil(len(chunk) / (FRAME * 2))
+        yield chunk
+
+
+# ------------------------------------------------------------------------------------------------ gRPC
+
+
+async def grpc_conversation(address: str, conversation: Conversation, *, pace: str = "live",
+                            duration_s: float = math.inf) -> Outcome:
+    outcome = Outcome("grpc")
+
+    async def requests():
+        yield pb.ConverseRequest(configure=pb.Configure(seed=conversation.seed))
+        async for chunk in _paced(conversation.pcm16(), pace, duration_s, outcome):
+            yield pb.ConverseRequest(audio=pb.AudioIn(pcm16=chunk))
+        yield pb.ConverseRequest(flush=pb.Flush())
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = conversation_pb2_grpc.ConversationServiceStub(channel).Converse(requests())
+        try:
+            async for response in call:
+                kind = response.WhichOneof("event")
+                if kind == "transcript":
+                    outcome.transcript = response.transcript.transcript
+                elif kind == "text":
+                    outcome.text_ids.append(response.text.token_id)
+                elif kind == "function":
+                    outcome.function_ids.append(response.function.token_id)
+                elif kind == "audio":
+                    samples = from_proto_np(response.audio.samples)
+                    outcome.add_audio(response.audio.audio_codes, to_pcm16(samples).astype("<i2").tobytes(),
+                                      time.monotonic())
+                elif kind == "done":
+                    outcome.done = True
+                elif kind == "error":
+                    outcome.errors.append(f"{pb.ErrorCode.Name(response.error.code)}: {response.error.message}")
+        except grpc.aio.AioRpcError as exc:
+            outcome.errors.append(f"{exc.code().name}: {exc.details()}")
+    return outcome
+
+
+# ------------------------------------------------------------------------------------------- WebSocket
+
+
+async def realtime_conversation(url: str, conversation: Conversation, *, pace: str = "live",
+                                duration_s: float = math.inf) -> Outcome:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    outcome = Outcome("ws")
+    try:
+        # no client pings: a server with a backlog of appends reads them late (it pings us instead)
+        async with connect(url, max_size=None, compression=None, ping_interval=None) as socket:
+            await _expect(socket, "session.created", outcome)
+            await socket.send(json.dumps({"type": "session.update", "session": {"seed": conversation.seed}}))
+            if not await _expect(socket, "session.updated", outcome):
+                return outcome
+
+            async def send() -> None:
+                async for chunk in _paced(conversation.pcm16(), pace, duration_s, outcome):
+                    await socket.send(json.dumps({"type": "input_audio_buffer.append",
+                                                  "audio": base64.b64encode(chunk).decode()}))
+                await socket.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+            sender = asyncio.create_task(send())
+            try:
+                async for frame in socket:
+                    event = json.loads(frame)
+                    kind = event["type"]
+                    if kind == "conversation.item.input_audio_transcription.delta":
+                        outcome.transcript = event["transcript"]
+                    elif kind == "response.text.delta":
+                        outcome.text_ids.append(event["token_id"])
+                    elif kind == "response.function.delta":
+                        outcome.function_ids.append(event["token_id"])
+                    elif kind == "response.audio.delta":
+                        outcome.add_audio(event["audio_codes"], base64.b64decode(event["delta"]), time.monotonic())
+                    elif kind == "response.done":
+                        outcome.done = True
+                    elif kind == "error":
+                        outcome.errors.append(f"{event['error']['code']}: {event['error']['message']}")
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
+                    await sender
+    except (OSError, ConnectionClosed) as exc:
+        outcome.errors.append(f"connection: {exc}")
+    return outcome
+
+
+async def _expect(socket, kind: str, outcome: Outcome) -> bool:
+    event = json.loads(await socket.recv())
+    if event.get("type") == kind:
+        return True
+    outcome.errors.append(f"expected {kind}, got {event}")
+    return False
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class LoadReport:
+    outcomes: list[Outcome]
+    wall_s: float
+
+    def rows(self) -> dict[str, dict]:
+        table = {}
+        for transport in sorted({o.transport for o in self.outcomes}):
+            mine = [o for o in self.outcomes if o.transport == transport]
+            intervals = [(b - a) * 1000.0 for o in mine for a, b in zip(o.arrivals, o.arrivals[1:], strict=False)]
+            frames = sum(o.frames for o in mine)
+            table[transport] = {
+                "conversations": len(mine),
+                "frames": frames,
+                "frames_per_s": frames / self.wall_s if self.wall_s else 0.0,
+                "interval_p50_ms": percentile(intervals, 0.5) if intervals else None,
+                "interval_p95_ms": percentile(intervals, 0.95) if intervals else None,
+                "errors": sum(len(o.errors) for o in mine),
+                "lost_frames": sum(o.lost for o in mine),
+                "completed": sum(o.done for o in mine),
+            }
+        return table
+
+
+async def run_load(*, grpc_address: str | None, realtime_url: str | None, grpc_conversations: list[Conversation],
+                   ws_conversations: list[Conversation], pace: str = "live",
+                   duration_s: float = math.inf) -> LoadReport:
+    """Every conversation at once; their outcomes in order (gRPC ones first)."""
+    start = time.monotonic()
+    tasks = [grpc_conversation(grpc_address, c, pace=pace, duration_s=duration_s) for c in grpc_conversations]
+    tasks += [realtime_conversation(realtime_url, c, pace=pace, duration_s=duration_s) for c in ws_conversations]
+    outcomes = await asyncio.gather(*tasks)
+    return LoadReport(list(outcomes), time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def orchestrator(model: Path, sessions: int, extra: list[str] | None = None) -> Iterator[tuple[str, str]]:
+    """`orchestrator serve` on the model (its services as children) for the block: (gRPC address, realtime URL)."""
+    process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--model", str(model),
+                                "--host", "127.0.0.1", "--port", "0", "--realtime-port", "0",
+                                "--max-sessions", str(sessions), "--realtime-max-sessions", str(sessions),
+                                *(extra or [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = process.stdout.readline().strip().split()[-1:]
+        ready = parse_ready_line(process.stdout.readline())
+        if ready is None or not url or not url[0].startswith("ws://"):
+            process.kill()
+            raise RuntimeError(f"orchestrator serve did not start: {process.stderr.read().strip()[-2000:]}")
+        yield f"127.0.0.1:{ready[1]}", url[0]
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def print_table(report: LoadReport) -> None:
+    rows = report.rows()
+    keys = ["conversations", "frames", "frames_per_s", "interval_p50_ms", "interval_p95_ms", "errors",
+            "lost_frames", "completed"]
+    print(f"{'':>16}" + "".join(f"{t:>12}" for t in rows))
+    for key in keys:
+        cells = []
+        for transport in rows:
+            value = rows[transport][key]
+            cells.append(f"{'-':>12}" if value is None else f"{value:>12.1f}" if isinstance(value, float)
+                         else f"{value:>12}")
+        print(f"{key:>16}" + "".join(cells))
+    print(f"wall {report.wall_s:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="checkpoint folder (needed unless --address/--realtime are given)")
+    parser.add_argument("--address", help="a running orchestrator's gRPC address HOST:PORT")
+    parser.add_argument("--realtime", help="a running orchestrator's ws://HOST:PORT/v1/realtime URL")
+    parser.add_argument("--grpc", type=int, default=4, help="conversations over gRPC Converse (default 4)")
+    parser.add_argument("--ws", type=int, default=4, help="conversations over the WebSocket (default 4)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="audio per conversation (default 10)")
+    parser.add_argument("--duration", type=float, default=120.0, help="no audio is sent after this (default 120 s)")
+    parser.add_argument("--pace", choices=["live", "burst"], default="live", help="live microphone or all at once")
+    parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
+        parser.error("--grpc and --ws must be >= 0 and not both 0")
+    if not args.seconds > 0 or not args.duration > 0:
+        parser.error("--seconds and --duration must be positive")
+    start_one = (args.grpc and not args.address) or (args.ws and not args.realtime)
+    if start_one and args.model is None:
+        parser.error("give --model (an orchestrator is started) or --address/--realtime of a running one")
+    speech = read_audio(args.input)
+    talks = conversations(speech, args.grpc + args.ws, args.seconds)
+
+    def run(address: str | None, url: str | None) -> LoadReport:
+        return asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks[: args.grpc],
+                                    ws_conversations=talks[args.grpc :], pace=args.pace, duration_s=args.duration))
+
+    if not start_one:
+        report = run(args.address, args.realtime)
+    else:
+        with orchestrator(args.model, max(args.grpc, args.ws)) as (address, url):
+            report = run(args.address or address, args.realtime or url)
+    if args.json:
+        print(json.dumps({"wall_s": report.wall_s, "transports": report.rows()}, indent=2))
+    else:
+        print_table(report)
+    return 0 if all(not o.errors and o.done and not o.lost for o in report.outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Load: eight conversations at once (four over gRPC Converse, four over the WebSocket), 30 s of speech each,
+through `orchestrator serve` on the tiny checkpoint. No frame is lost and every conversation's outputs equal
+its solo run (the same input and seed alone on the same server); the two transports agree with each other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.load import conversations, orchestrator, print_table, run_load
+from orchestrator.audio import read_audio
+from tests.conftest import load_golden
+
+SECONDS = 30.0
+FRAMES = 375  # 30 s of 80 ms frames
+
+
+@pytest.fixture(scope="module")
+def speech():
+    return load_golden("online")[0]["waveform"]
+
+
+def test_eight_concurrent_conversations_lose_nothing_and_equal_their_solo_runs(tiny_checkpoint, speech, capsys):
+    talks = conversations(speech, 4, SECONDS)
+    with orchestrator(tiny_checkpoint, 4) as (address, url):
+        solo = [asyncio.run(run_load(grpc_address=address, realtime_url=None, grpc_conversations=[talk],
+                                     ws_conversations=[], pace="burst")).outcomes[0] for talk in talks]
+        report = asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks,
+                                      ws_conversations=talks, pace="burst"))
+    with capsys.disabled():
+        print_table(report)
+    for outcome in solo:
+        assert outcome.errors == [] and outcome.done and outcome.frames == FRAMES
+    assert len({o.signature() for o in solo}) == 4  # four different conversations
+    rows = report.rows()
+    assert rows["grpc"]["lost_frames"] == rows["ws"]["lost_frames"] == 0
+    assert rows["grpc"]["errors"] == rows["ws"]["errors"] == 0
+    assert rows["grpc"]["frames"] == rows["ws"]["frames"] == 4 * FRAMES
+    for k, outcome in enumerate(report.outcomes):
+        assert outcome.frames_sent == FRAMES and outcome.done
+        assert outcome.signature() == solo[k % 4].signature(), (outcome.transport, k)
+
+
+def test_the_load_bench_reads_a_wav_and_loops_it(tmp_path):
+    import numpy as np
+    import soundfile
+
+    path = tmp_path / "short.wav"
+    soundfile.write(path, np.linspace(-0.5, 0.5, 8000, dtype=np.float32), 16_000)
+    talks = conversations(read_audio(path), 3, 1.0)
+    assert [len(t.samples) for t in talks] == [16_000] * 3 and [t.seed for t in talks] == [0, 1, 2]
+    assert np.array_equal(talks[1].samples[:100], talks[0].samples[3840:3940])  # offset by three frames
