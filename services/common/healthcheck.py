@@ -42,13 +42,18 @@ def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S)
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.common.healthcheck",
                                      description="Exit 0 when a gRPC server's health check says SERVING, else 1.")
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"gRPC target (default {DEFAULT_ADDRESS})")
     parser.add_argument("--service", default="", help='service name to ask about (default "": the whole server)')
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout {args.timeout}: must be positive")
