@@ -20,7 +20,6 @@ import yaml
 
 from services.common import healthcheck
 from services.common.cli import MODEL_ENV
-from services.common.server import DEFAULT_GRACE_S
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -255,13 +254,15 @@ def duration_s(text: str) -> float:
 
 
 def test_compose_mounts_the_model_read_only_and_stops_gracefully():
+    invocations = compose_invocations("defaults")
     for name, service in compose("defaults")["services"].items():
         mounts = [v for v in service["volumes"] if isinstance(v, dict) and v["target"] == MODEL_MOUNT]
         assert len(mounts) == 1 and mounts[0]["read_only"] is True, f"{name}: {service['volumes']}"
         assert mounts[0]["source"] == "./model"
         assert service["environment"][MODEL_ENV] == MODEL_MOUNT
         assert service["restart"] == "unless-stopped"
-        assert duration_s(service["stop_grace_period"]) > DEFAULT_GRACE_S
+        # Docker's SIGKILL must not cut the drain short.
+        assert duration_s(service["stop_grace_period"]) > invocations[name].args.drain_seconds
         assert service["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile"}
     source = compose("overridden")["services"]["llm"]["volumes"][0]["source"]
     assert source == ENVIRONMENTS["overridden"]["VOICECHAT_MODEL_DIR"]
@@ -472,7 +473,7 @@ def test_k8s_deployment(name):
 
     requests = container["resources"]["requests"]
     assert set(requests) >= {"cpu", "memory"}
-    assert pod["spec"]["terminationGracePeriodSeconds"] > DEFAULT_GRACE_S
+    assert pod["spec"]["terminationGracePeriodSeconds"] > invocation.args.drain_seconds
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
