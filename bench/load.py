@@ -10,7 +10,8 @@ WebSocket, paced like a live microphone (`live`, the default) or as fast as the 
 flushes. No conversation sends past --duration seconds after its start (a bounded run).
 
 Reported per transport: conversations, frames delivered, frames per second over the run, the interval between a
-conversation's consecutive audio frames (p50/p95), errors, and lost frames (frames sent but never answered).
+conversation's consecutive audio frames (p50/p95), first-audio latency (from the first chunk sent to the first
+audio frame back, p50), errors, and lost frames (frames sent but never answered).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Outcome:
     audio: bytearray = field(default_factory=bytearray)  # PCM16 little-endian at 22.05 kHz
     errors: list[str] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each audio frame
+    first_sent: float | None = None  # monotonic time the first audio chunk went out
 
     @property
     def lost(self) -> int:
@@ -107,6 +109,8 @@ async def _paced(data: bytes, pace: str, duration_s: float, outcome: Outcome):
         if time.monotonic() - start > duration_s:
             return
         outcome.frames_sent += math.ceil(len(chunk) / (FRAME * 2))
+        if outcome.first_sent is None:
+            outcome.first_sent = time.monotonic()
         yield chunk
 
 
@@ -116,9 +120,11 @@ async def _paced(data: bytes, pace: str, duration_s: float, outcome: Outcome):
 async def grpc_conversation(address: str, conversation: Conversation, *, pace: str = "live",
                             duration_s: float = math.inf) -> Outcome:
     outcome = Outcome("grpc")
+    ready = asyncio.Event()
 
     async def requests():
         yield pb.ConverseRequest(configure=pb.Configure(seed=conversation.seed))
+        await ready.wait()  # as over the WebSocket, audio starts once the session is open
         async for chunk in _paced(conversation.pcm16(), pace, duration_s, outcome):
             yield pb.ConverseRequest(audio=pb.AudioIn(pcm16=chunk))
         yield pb.ConverseRequest(flush=pb.Flush())
@@ -128,7 +134,9 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
         try:
             async for response in call:
                 kind = response.WhichOneof("event")
-                if kind == "transcript":
+                if kind == "ready":
+                    ready.set()
+                elif kind == "transcript":
                     outcome.transcript = response.transcript.transcript
                 elif kind == "text":
                     outcome.text_ids.append(response.text.token_id)
@@ -142,6 +150,7 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
                     outcome.done = True
                 elif kind == "error":
                     outcome.errors.append(f"{pb.ErrorCode.Name(response.error.code)}: {response.error.message}")
+                    ready.set()  # a session that did not open: the rest of the stream gets its answers too
         except grpc.aio.AioRpcError as exc:
             outcome.errors.append(f"{exc.code().name}: {exc.details()}")
     return outcome
@@ -218,12 +227,14 @@ class LoadReport:
             mine = [o for o in self.outcomes if o.transport == transport]
             intervals = [(b - a) * 1000.0 for o in mine for a, b in zip(o.arrivals, o.arrivals[1:], strict=False)]
             frames = sum(o.frames for o in mine)
+            firsts = [(o.arrivals[0] - o.first_sent) * 1000.0 for o in mine if o.arrivals and o.first_sent]
             table[transport] = {
                 "conversations": len(mine),
                 "frames": frames,
                 "frames_per_s": frames / self.wall_s if self.wall_s else 0.0,
                 "interval_p50_ms": percentile(intervals, 0.5) if intervals else None,
                 "interval_p95_ms": percentile(intervals, 0.95) if intervals else None,
+                "first_audio_p50_ms": percentile(firsts, 0.5) if firsts else None,
                 "errors": sum(len(o.errors) for o in mine),
                 "lost_frames": sum(o.lost for o in mine),
                 "completed": sum(o.done for o in mine),
@@ -268,16 +279,16 @@ def orchestrator(model: Path, sessions: int, extra: list[str] | None = None) -> 
 
 def print_table(report: LoadReport) -> None:
     rows = report.rows()
-    keys = ["conversations", "frames", "frames_per_s", "interval_p50_ms", "interval_p95_ms", "errors",
-            "lost_frames", "completed"]
-    print(f"{'':>16}" + "".join(f"{t:>12}" for t in rows))
+    keys = ["conversations", "frames", "frames_per_s", "interval_p50_ms", "interval_p95_ms", "first_audio_p50_ms",
+            "errors", "lost_frames", "completed"]
+    print(f"{'':>18}" + "".join(f"{t:>12}" for t in rows))
     for key in keys:
         cells = []
         for transport in rows:
             value = rows[transport][key]
             cells.append(f"{'-':>12}" if value is None else f"{value:>12.1f}" if isinstance(value, float)
                          else f"{value:>12}")
-        print(f"{key:>16}" + "".join(cells))
+        print(f"{key:>18}" + "".join(cells))
     print(f"wall {report.wall_s:.1f} s")
 
 
