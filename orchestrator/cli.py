@@ -8,6 +8,7 @@
                                [--output-audio OUT.wav] [--dump OUT.npz] [--sequential] [--max-streaming-seconds S]
                                [--services ...] [--in-process]
     orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
+                       [--metrics-port N] [--metrics-host H]
 
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
@@ -36,6 +37,7 @@ from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
+from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.server import DEFAULT_GRACE_S
 
 
@@ -109,6 +111,7 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--no-realtime", action="store_true", help="serve gRPC only, without ws://.../v1/realtime")
     serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
     add_realtime_flags(serve)
+    add_metrics_flags(serve)
 
 
 def dump_offline(path: Path, result: OfflineResult, meta: dict) -> None:
@@ -294,15 +297,25 @@ def serve(args: argparse.Namespace) -> int:
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     model = resolve_model(args.model)
-    with connect_streams(model, services=args.services, in_process=args.in_process,
-                         deadlines=deadlines_from_args(args)) as clients:
-        realtime = None
-        if not args.no_realtime:
-            factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)
-            realtime = server_from_args(args, factory)
-        run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                   max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
-                   realtime=realtime, drain_seconds=args.drain_seconds)
+    metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration)
+    try:  # bound before the services start: a busy port fails at once
+        exposition = start_from_args(metrics, args, args.host)
+    except OSError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        with connect_streams(model, services=args.services, in_process=args.in_process,
+                             deadlines=deadlines_from_args(args)) as clients:
+            realtime = None
+            if not args.no_realtime:
+                factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)
+                realtime = server_from_args(args, factory, metrics)
+            run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
+                       max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
+                       realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
+                       metrics_server=exposition)
+    finally:
+        if exposition is not None:
+            exposition.stop()
     return 0
 
 

@@ -8,11 +8,15 @@ at most `max_sessions` run at once (SERVER_BUSY beyond). Bad input (a wrong rate
 after Flush) is answered with an INVALID_REQUEST Error and the conversation goes on; running past
 max_streaming_seconds (LIMIT_EXCEEDED) or a failed service (SERVICE_UNAVAILABLE, INFERENCE_ERROR) ends it with
 that Error. However a stream ends (Done, error, or a client that vanished) every service session is freed.
+
+`metrics` (voicechat_*{service="orchestrator"}) sees the conversations holding a slot, every frame whose events
+went out (timed by the session's frame interval) and every Error sent, by its ERROR_CODE_* name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -29,7 +33,9 @@ from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc
 from services.common.cli import announce
 from services.common.config import VoiceChatConfig
-from services.common.server import DEFAULT_GRACE_S, full_service_name, serve
+from services.common.metrics import Metrics, MetricsServer
+from services.common.metrics import announce as announce_metrics
+from services.common.server import DEFAULT_GRACE_S, RunningServer, full_service_name, serve
 from services.common.tensors import from_proto_np, to_proto_np
 
 log = logging.getLogger(__name__)
@@ -100,9 +106,11 @@ async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool
 
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
-                 max_streaming_seconds: float = 600.0, pipelined: bool = True):
+                 max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None):
         self.clients = clients
         self.config = VoiceChatConfig.load(model_dir)
+        self.metrics = metrics or Metrics("orchestrator")
+        self.metrics.frame_budget_s = self.config.frame_duration
         self.decoder = TextDecoder(model_dir, self.config)
         self.vocabulary = transcript_vocabulary(model_dir, self.config)
         self.max_sessions = max_sessions
@@ -111,6 +119,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
         self.draining = False  # set by drain(): new conversations are refused
         self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
+        self.metrics.track_sessions(lambda: self.live_sessions)
         self._ids = itertools.count(1)
 
     def _seconds(self, requested: float) -> float:
@@ -120,6 +129,15 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
 
     async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                        context) -> AsyncIterator[pb.ConverseResponse]:
+        """The conversation, each Error it sends counted by code."""
+        async with contextlib.aclosing(self._converse(request_iterator, context)) as responses:
+            async for response in responses:
+                if response.WhichOneof("event") == "error":
+                    self.metrics.error(pb.ErrorCode.Name(response.error.code))
+                yield response
+
+    async def _converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
+                        context) -> AsyncIterator[pb.ConverseResponse]:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         session: OnlineSession | None = None
@@ -292,6 +310,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 terminal = item
                 continue
             yield event_to_proto(item, rate)
+            if item.kind == "audio":  # a frame's last event went out
+                self.metrics.frame(item.interval_s)
 
 
 def registrations(servicer: ConversationServicer):
@@ -300,21 +320,29 @@ def registrations(servicer: ConversationServicer):
 
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
-               realtime=None, drain_seconds: float = DEFAULT_GRACE_S) -> None:
+               realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
+               metrics_server: MetricsServer | None = None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
+    `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
 
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
-                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined)
+                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics)
+
+    def on_ready(running: RunningServer) -> None:
+        announce(running)
+        if metrics_server is not None:
+            announce_metrics(metrics_server)
 
     async def drain(grace_s: float) -> None:
         waits = [servicer.drain(grace_s)] + ([realtime.drain(grace_s)] if realtime is not None else [])
         await asyncio.gather(*waits)
 
     async def main() -> None:
-        options = dict(host=host, port=port, on_ready=announce, grace_s=drain_seconds, drain=drain)
+        options = dict(host=host, port=port, on_ready=on_ready, grace_s=drain_seconds, drain=drain,
+                       metrics=servicer.metrics)
         if realtime is None:
             await serve(registrations(servicer), [SERVICE_NAME], **options)
             return

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.cli import PARENT_PID_ENV, parse_ready_line
+from services.common.metrics import METRICS_PORT_ENV, parse_metrics_line
 
 SERVICES = ("perception", "llm", "tts", "codec")
 
@@ -33,6 +34,7 @@ class ServiceProcess:
     name: str
     process: subprocess.Popen
     address: str = ""
+    metrics_url: str = ""  # http://HOST:PORT/metrics once announced, when started with --metrics-port
     log: list[str] = field(default_factory=list)  # the child's stderr, kept for error messages
 
     def tail(self, lines: int = 5) -> str:
@@ -55,6 +57,7 @@ def spawn_service(name: str, model: Path, extra: list[str] | None = None,
     # No preexec_fn: forking a process that has gRPC loaded runs gRPC's fork handlers in the child, which can
     # abort it; without one the child is spawned directly and arranges its own death with this process.
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    env.pop(METRICS_PORT_ENV, None)  # meant for this process: four children cannot all bind one port
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     child = ServiceProcess(name, process)
     threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
@@ -68,8 +71,10 @@ def _read_ready(child: ServiceProcess) -> None:
         if parsed:
             child.address = f"{parsed[0]}:{parsed[1]}"
             break
-    for _ in child.process.stdout:  # keep the pipe drained
-        pass
+    for line in child.process.stdout:  # keep the pipe drained
+        url = parse_metrics_line(line)
+        if url:
+            child.metrics_url = url
 
 
 def wait_ready(children: list[ServiceProcess], timeout_s: float = 120.0) -> None:

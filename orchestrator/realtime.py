@@ -13,6 +13,10 @@ Each connection holds one of `max_sessions` slots from its upgrade until its ses
 message order; an append is pushed in `frame_samples` slices and each slice's events are sent before the next
 slice runs. The API key and the Origin header are checked on the upgrade request, before any WebSocket exists.
 The protocol, field for field, is in docs/protocol.md.
+
+`metrics` (voicechat_*{service="orchestrator"}, shared with the gRPC conversation service under `orchestrator
+serve`) sees the connections holding a slot, every frame whose audio delta went out (timed by the session's frame
+interval) and every error event sent, by its error code (invalid_request, server_busy, ...).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import collections
 import concurrent.futures
 import hmac
 import json
@@ -42,6 +47,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from orchestrator.audio import to_pcm16
+from services.common.metrics import Metrics, add_metrics_flags, start_from_args
+from services.common.metrics import announce as announce_metrics
 
 log = logging.getLogger(__name__)
 
@@ -245,11 +252,13 @@ class RealtimeServer:
     allowed_origins: None accepts every Origin; otherwise a browser Origin not listed gets 403 ("*" allows all).
         A request without Origin is a non-browser client and is accepted.
     api_prefix: prepended to /v1/realtime (e.g. "/api" serves /api/v1/realtime); other paths get 404.
+    metrics: where the gateway counts its sessions, frames and errors (a Metrics of its own when None); its frame
+        budget becomes the factory's frame duration.
     """
 
     def __init__(self, factory: SessionFactory, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_origins: Sequence[str] | None = None, api_prefix: str = "",
-                 max_sessions: int = 1, limits: RealtimeLimits | None = None):
+                 max_sessions: int = 1, limits: RealtimeLimits | None = None, metrics: Metrics | None = None):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         if api_key is not None and not api_key:
@@ -265,6 +274,9 @@ class RealtimeServer:
         self.live_sessions = 0  # connections holding a slot; touched only on the event loop
         self.draining = False  # set by drain(): upgrades are refused with 503
         self._connections: set[_Connection] = set()
+        self.metrics = metrics or Metrics("orchestrator")
+        self.metrics.frame_budget_s = factory.frame_samples / factory.input_sample_rate
+        self.metrics.track_sessions(lambda: self.live_sessions)
         self._server: Server | None = None
 
     @property
@@ -390,11 +402,18 @@ class _Connection:
         self.session: RealtimeSession | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._holds_slot = True
+        self.metrics = server.metrics
+        self._intervals: collections.deque[float | None] = collections.deque()  # of audio deltas not yet sent
 
     # ------------------------------------------------------------------------------------------ sending
 
     async def send(self, payload: dict) -> None:
+        kind = payload["type"]
+        if kind == "error":
+            self.metrics.error(payload["error"]["code"])
         await self.websocket.send(json.dumps({"event_id": new_id("event_"), **payload}, separators=(",", ":")))
+        if kind == "response.audio.delta":  # a frame's last event went out
+            self.metrics.frame(self._intervals.popleft())
 
     async def error(self, code: str, message: str) -> None:
         await self.send(error_message(code, message))
@@ -549,7 +568,13 @@ class _Connection:
     async def _run(self, method: Callable, *args) -> list[dict]:
         """A session call on the worker; its events come back already serialized (base64 audio included)."""
         rate = self.factory.output_sample_rate
-        return await self._call(lambda: [event_message(e, rate) for e in method(*args)])
+        return await self._call(lambda: self._serialize(method(*args), rate))
+
+    def _serialize(self, events: list, rate: int) -> list[dict]:
+        """The events as server messages; each audio frame's interval waits in `_intervals` for its send."""
+        messages = [event_message(e, rate) for e in events]
+        self._intervals.extend(e.interval_s for e in events if e.kind == "audio")
+        return messages
 
     # ---------------------------------------------------------------------------------------- the end
 
@@ -620,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGTERM: new connections are refused and live sessions get this many seconds, then "
                              "end with server_shutting_down (default 5)")
+    add_metrics_flags(parser, bind_flag="--realtime-host")
     return parser
 
 
@@ -645,8 +671,10 @@ def add_realtime_flags(parser: argparse.ArgumentParser, *, port_flag: str = "--r
                         help="seconds a configured session may stay silent before close 1008 (120)")
 
 
-def server_from_args(args: argparse.Namespace, factory: SessionFactory) -> RealtimeServer:
-    """A RealtimeServer configured by `add_realtime_flags`' flags; ValueError naming a bad value."""
+def server_from_args(args: argparse.Namespace, factory: SessionFactory,
+                     metrics: Metrics | None = None) -> RealtimeServer:
+    """A RealtimeServer configured by `add_realtime_flags`' flags, counting in `metrics`; ValueError naming a bad
+    value."""
     if not 0 <= args.realtime_port <= 65535:
         raise ValueError(f"realtime port {args.realtime_port}: must be 0..65535")
     origins = None
@@ -656,7 +684,7 @@ def server_from_args(args: argparse.Namespace, factory: SessionFactory) -> Realt
                             update_timeout_s=args.session_update_timeout, idle_timeout_s=args.idle_timeout)
     return RealtimeServer(factory, host=args.realtime_host, port=args.realtime_port, api_key=args.api_key,
                           allowed_origins=origins, api_prefix=args.api_prefix,
-                          max_sessions=args.realtime_max_sessions, limits=limits)
+                          max_sessions=args.realtime_max_sessions, limits=limits, metrics=metrics)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -666,13 +694,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics = Metrics("orchestrator")
+    exposition = None
     try:
         services = parse_services(args.services) if args.services else None
         model = resolve_model(args.model)
+        exposition = start_from_args(metrics, args, args.realtime_host)  # a busy port fails before any service
         with connect_streams(model, services=services, in_process=args.in_process,
                              deadlines=deadlines_from_args(args)) as clients:
             server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
-                                                                     pipelined=args.realtime_pipelined))
+                                                                     pipelined=args.realtime_pipelined), metrics)
 
             async def run() -> None:
                 stop = asyncio.Event()
@@ -680,6 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     asyncio.get_running_loop().add_signal_handler(signum, stop.set)
                 async with server:
                     print(f"realtime on {server.url}", flush=True)
+                    if exposition is not None:
+                        announce_metrics(exposition)
                     await stop.wait()
                     await server.drain(args.drain_seconds)
 
@@ -689,6 +722,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if exposition is not None:
+            exposition.stop()
     return 0
 
 

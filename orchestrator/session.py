@@ -63,6 +63,9 @@ class Event:
     audio_codes: np.ndarray | None = None  # audio: (31,) int32, control codes replaced (what the codec decoded)
     raw_codes: np.ndarray | None = None  # audio: (31,) int32 as generated and fed back
     message: str | None = None  # error
+    # audio: seconds from when the frame could complete (its audio pushed and the previous frame done, whichever is
+    # later) to its completion: profile.py's interval, what the orchestrator's voicechat_frame_seconds observes
+    interval_s: float | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
         """The non-array fields, as the golden's `meta.events` lists them."""
@@ -312,8 +315,9 @@ class OnlineSession:
             self.records.append(FrameRecord(p.encoder_out, p.audio_embedding, f.text_id, f.function_id, f.raw,
                                             f.clean, f.audio))
         done = self.clock.now()
+        begin = f.available if self._last_completion is None else max(self._last_completion, f.available)
+        events[-1].interval_s = done - begin  # the audio event
         if self.profile is not None:
-            begin = f.available if self._last_completion is None else max(self._last_completion, f.available)
             self.profile.add(FrameTiming(f.index, f.ms["perception"], 0.0, f.ms["language"], f.ms["tts"],
                                          f.ms["codec"], (done - f.started) * 1000.0, (done - begin) * 1000.0))
         self._last_completion = done

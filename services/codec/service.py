@@ -2,17 +2,21 @@
 
 Errors are raised, not caught: the shared interceptor turns ValueError into INVALID_ARGUMENT and
 LimitExceeded into RESOURCE_EXHAUSTED. One DecodeStream call is one decode session; its state dies with it.
+Each decoded frame counts in `metrics` (frames, step time, over budget); open sessions are its active gauge.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine
 from services.common.cli import ServiceSpec
+from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
+from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
 
@@ -22,10 +26,13 @@ SERVICE_NAME = full_service_name(codec_pb2, "CodecService")
 class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     """Serves one CodecEngine; all its MLX work runs on `engine_thread`."""
 
-    def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None):
+    def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None,
+                 metrics: Metrics | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open DecodeStream sessions
+        self.metrics = metrics or Metrics("codec")
+        self.metrics.track_sessions(lambda: self.live_sessions)
 
     @property
     def engine(self) -> CodecEngine:
@@ -35,6 +42,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     async def load(self, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> None:
         """Load the checkpoint's codec tensors on the engine thread."""
         self._engine = await self.engine_thread.run(CodecEngine.load, model_dir, max_frames)
+        self.metrics.frame_budget_s = VoiceChatConfig.load(model_dir).frame_duration
 
     async def Encode(self, request: codec_pb2.CodecEncodeRequest, context) -> codec_pb2.CodecEncodeResponse:
         rate = request.sample_rate_hz
@@ -69,14 +77,17 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
                 )
             )
             async for request in request_iterator:
+                started = time.perf_counter()
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError("after `open`, every DecodeStream message must be a `frame`")
                 frame = request.frame
                 samples = await self.engine_thread.run(
                     stream.decode_frame, frame.frame_index, from_proto_np(frame.codes))
-                yield codec_pb2.CodecDecodeStreamResponse(
+                response = codec_pb2.CodecDecodeStreamResponse(
                     frame=codec_pb2.CodecDecodedFrame(frame_index=frame.frame_index, samples=to_proto_np(samples))
                 )
+                self.metrics.frame(time.perf_counter() - started)
+                yield response
         finally:
             self.live_sessions -= 1
 
@@ -90,4 +101,5 @@ def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> S
         service_names=[SERVICE_NAME],
         load=lambda: servicer.load(model_dir, max_frames),
         close=engine_thread.close,
+        metrics=servicer.metrics,
     )

@@ -1,10 +1,12 @@
 """The command line shared by the services' `__main__`:
 
     python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
-                             [--log-level L]
+                             [--log-level L] [--metrics-port N] [--metrics-host H]
 
 --model defaults to $VOICECHAT_MODEL. Once the model has loaded and health says SERVING, the process prints
 `listening on HOST:PORT` (flushed) to stdout, so a parent that started it with --port 0 can parse the port.
+With --metrics-port (default $VOICECHAT_METRICS_PORT) it serves Prometheus metrics from startup on and prints
+`metrics on http://HOST:PORT/metrics` right after that line.
 
 A service's __main__.py is then:
 
@@ -27,6 +29,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
+from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
 
 MODEL_ENV = "VOICECHAT_MODEL"
@@ -37,12 +41,14 @@ READY_PREFIX = "listening on "  # what parse_ready_line looks for
 
 @dataclass
 class ServiceSpec:
-    """What a service's build() hands the bootstrap: its servicers, their full names, and the model loader."""
+    """What a service's build() hands the bootstrap: its servicers, their full names, the model loader, and the
+    servicer's metrics (served by --metrics-port; the interceptor counts errors in them)."""
 
     registrations: list[Registration]
     service_names: list[str]
     load: Callable[[], Awaitable[None]] | None = None  # awaited while health says NOT_SERVING
     close: Callable[[], None] | None = None  # after shutdown, e.g. EngineThread.close
+    metrics: Metrics | None = None
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -76,6 +82,7 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default INFO); logs go to stderr",
     )
+    add_metrics_flags(parser)
     return parser
 
 
@@ -155,8 +162,19 @@ def run_service(
     args = parse_args(parser, argv)
     configure_logging(args.log_level)
     spec: ServiceSpec | None = None
+    exposition: MetricsServer | None = None
     try:
         spec = build(args)
+        if args.metrics_port is not None and spec.metrics is None:
+            raise ValueError(f"--metrics-port: {prog} has no metrics")
+        if spec.metrics is not None:  # bound before the model loads: a busy port fails at once
+            exposition = start_from_args(spec.metrics, args, args.host)
+
+        def on_ready(running: RunningServer) -> None:
+            announce(running)
+            if exposition is not None:
+                announce_metrics(exposition)
+
         asyncio.run(
             serve(
                 spec.registrations,
@@ -166,7 +184,8 @@ def run_service(
                 max_message_mb=args.max_message_mb,
                 grace_s=args.drain_seconds,
                 load=spec.load,
-                on_ready=announce,
+                on_ready=on_ready,
+                metrics=spec.metrics,
             )
         )
     except KeyboardInterrupt:
@@ -177,6 +196,8 @@ def run_service(
         print(f"{prog}: error: {detail}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if exposition is not None:
+            exposition.stop()
         if spec is not None and spec.close is not None:
             spec.close()
     return 0

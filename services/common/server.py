@@ -7,11 +7,13 @@ and one interceptor that maps domain exceptions to status codes, so servicer met
     ValueError -> INVALID_ARGUMENT, LimitExceeded -> RESOURCE_EXHAUSTED, ServiceUnavailable -> UNAVAILABLE,
     NotImplementedError -> UNIMPLEMENTED, anything else -> INTERNAL (logged with its traceback).
 
+Given a Metrics, the interceptor counts each mapped error in voicechat_errors_total by status code name.
+
 Until the server is marked serving, calls to the registered services are answered UNAVAILABLE.
 
     await serve([(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
                 [full_service_name(codec_pb2, "CodecService")], port=0, load=load_weights,
-                on_ready=lambda running: print(f"listening on {running.address}"))
+                on_ready=lambda running: print(f"listening on {running.address}"), metrics=servicer.metrics)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import LimitExceeded, ServiceUnavailable
+from services.common.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +65,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, metrics: Metrics | None) -> None:
     if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted itself: its status stands
         raise exc
     code, message = status_for(exc)
+    if metrics is not None:
+        metrics.error(code.name)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a servicer method")
     else:
@@ -84,19 +89,19 @@ class _Gate:
             raise ServiceUnavailable("the service is still loading its model; retry when health says SERVING")
 
 
-def _wrap_unary_response(behavior: Callable, gate: _Gate) -> Callable:
+def _wrap_unary_response(behavior: Callable, gate: _Gate, metrics: Metrics | None) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             gate.check()
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         except Exception as exc:
-            await _abort(context, exc)
+            await _abort(context, exc, metrics)
 
     return handler
 
 
-def _wrap_stream_response(behavior: Callable, gate: _Gate) -> Callable:
+def _wrap_stream_response(behavior: Callable, gate: _Gate, metrics: Metrics | None) -> Callable:
     # An async generator function, so grpc.aio streams what it yields; it also serves servicers written
     # with context.write (a coroutine that yields nothing) and plain generators.
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -113,34 +118,40 @@ def _wrap_stream_response(behavior: Callable, gate: _Gate) -> Callable:
                 for response in result:
                     yield response
         except Exception as exc:
-            await _abort(context, exc)
+            await _abort(context, exc, metrics)
 
     return handler
 
 
-def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate, metrics: Metrics | None) -> grpc.RpcMethodHandler:
     codecs = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_wrap_unary_response(handler.unary_unary, gate), **codecs)
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap_unary_response(handler.unary_unary, gate, metrics), **codecs
+        )
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary_response(handler.stream_unary, gate), **codecs
+            _wrap_unary_response(handler.stream_unary, gate, metrics), **codecs
         )
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream_response(handler.unary_stream, gate), **codecs
+            _wrap_stream_response(handler.unary_stream, gate, metrics), **codecs
         )
-    return grpc.stream_stream_rpc_method_handler(_wrap_stream_response(handler.stream_stream, gate), **codecs)
+    return grpc.stream_stream_rpc_method_handler(
+        _wrap_stream_response(handler.stream_stream, gate, metrics), **codecs
+    )
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAVAILABLE until the gate opens and maps servicer exceptions to status codes (status_for)."""
+    """Answers UNAVAILABLE until the gate opens and maps servicer exceptions to status codes (status_for),
+    counting them in `metrics` when given."""
 
-    def __init__(self, gate: _Gate) -> None:
+    def __init__(self, gate: _Gate, metrics: Metrics | None = None) -> None:
         self._gate = gate
+        self._metrics = metrics
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
@@ -154,7 +165,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or method.lstrip("/").split("/")[0] in _INFRA_SERVICES:
             return handler
-        self._wrapped[method] = _wrap(handler, self._gate)
+        self._wrapped[method] = _wrap(handler, self._gate, self._metrics)
         return self._wrapped[method]
 
 
@@ -218,17 +229,19 @@ async def start_server(
     host: str = "[::]",
     port: int = 0,
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    metrics: Metrics | None = None,
 ) -> RunningServer:
     """Bind and start a server whose services answer UNAVAILABLE (health NOT_SERVING) until set_serving(True).
 
-    port 0 binds an ephemeral port, reported as `RunningServer.port`.
+    port 0 binds an ephemeral port, reported as `RunningServer.port`. Errors the interceptor maps are counted in
+    `metrics` when given.
     """
     if max_message_mb <= 0:
         raise ValueError(f"max_message_mb must be positive, got {max_message_mb}")
     limit = int(max_message_mb * _MIB)
     options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
     gate = _Gate()
-    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate)], options=options)
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics)], options=options)
     for add, servicer in registrations:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -279,11 +292,12 @@ async def serve(
     grace_s: float = DEFAULT_GRACE_S,
     stop: asyncio.Event | None = None,
     drain: Callable[[float], Awaitable[None]] | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Run a server until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
 
     The server listens at once with health NOT_SERVING, awaits load(), turns SERVING and calls on_ready.
-    A load() failure stops the server and propagates.
+    A load() failure stops the server and propagates. `metrics` counts the errors the interceptor maps.
 
     Shutting down, health turns NOT_SERVING (so health-checking clients send new sessions elsewhere). Without
     `drain`, new calls are refused and calls in flight get grace_s seconds before they are cancelled. With it,
@@ -292,7 +306,7 @@ async def serve(
     """
     stop = stop or asyncio.Event()
     running = await start_server(
-        registrations, service_names, host=host, port=port, max_message_mb=max_message_mb
+        registrations, service_names, host=host, port=port, max_message_mb=max_message_mb, metrics=metrics
     )
     undo_signals = _install_signal_handlers(stop)
     ready = asyncio.ensure_future(running.become_ready(load))

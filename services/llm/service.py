@@ -2,12 +2,14 @@
 
 One Stream call is one session: `open` first (prefills the system prompt), then one `step` per 80 ms frame.
 The session's caches are freed when the stream ends, fails or is cancelled. Errors are raised, not caught:
-the shared interceptor maps ValueError to INVALID_ARGUMENT and LimitExceeded to RESOURCE_EXHAUSTED.
+the shared interceptor maps ValueError to INVALID_ARGUMENT and LimitExceeded to RESOURCE_EXHAUSTED. Each step
+counts in `metrics` (frames, step time, over budget); open sessions are its active gauge.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import mlx.core as mx
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
+from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto, to_proto
 from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession
@@ -33,10 +36,13 @@ PREFIX_DTYPES = {
 class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
 
-    def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None) -> None:
+    def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
+        self.metrics = metrics or Metrics("llm")
+        self.metrics.track_sessions(lambda: self.live_sessions)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -47,6 +53,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                    weights_dtype: str | None = None) -> None:
         """Load the checkpoint's language tensors and tokenizer on the engine thread."""
         self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, weights_dtype)
+        self.metrics.frame_budget_s = self._engine.config.frame_duration
 
     async def Stream(
         self, request_iterator: AsyncIterator[language_pb2.LanguageStreamRequest], context
@@ -63,12 +70,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         try:
             yield language_pb2.LanguageStreamResponse(opened=opened)
             async for request in request_iterator:
+                started = time.perf_counter()
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
                 step = request.step
                 if not step.HasField("audio_embedding"):
                     raise ValueError("LanguageStep.audio_embedding is missing")
                 result = await self.engine_thread.run(_run_step, session, step)
+                self.metrics.frame(time.perf_counter() - started)
                 yield language_pb2.LanguageStreamResponse(step=result)
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
@@ -109,4 +118,5 @@ def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS
         service_names=[SERVICE_NAME],
         load=lambda: servicer.load(model_dir, max_prompt_tokens, weights_dtype),
         close=engine_thread.close,
+        metrics=servicer.metrics,
     )

@@ -16,7 +16,8 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     async def load() -> None:
         await servicer.load(args.model)
 
-    return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close)
+    return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close,
+                       metrics=servicer.metrics)
 
 
 if __name__ == "__main__":

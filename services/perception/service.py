@@ -1,11 +1,13 @@
 """The perception gRPC servicer: protobuf in, engine calls on the engine thread, protobuf out.
 
 Bad input raises ValueError, which the shared interceptor turns into INVALID_ARGUMENT with the message.
-A Stream's session lives exactly as long as its stream: its state is a local of the handler.
+A Stream's session lives exactly as long as its stream: its state is a local of the handler. Each frame counts
+in `metrics` (frames, step time, over budget); open sessions are its active gauge.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
+from services.common.metrics import Metrics
 from services.common.server import Registration, full_service_name
 from services.common.tensors import from_proto_np, to_proto
 from services.perception.engine import PerceptionEngine, PerceptionStream
@@ -22,14 +25,18 @@ SERVICE_NAME = full_service_name(perception_pb2, "PerceptionService")
 
 
 class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
-    def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None):
+    def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None,
+                 metrics: Metrics | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions
+        self.metrics = metrics or Metrics("perception")
+        self.metrics.track_sessions(lambda: self.live_sessions)
 
     async def load(self, model_dir: str | Path) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
         self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir)
+        self.metrics.frame_budget_s = self._engine.config.frame_duration
 
     @property
     def engine(self) -> PerceptionEngine:
@@ -65,6 +72,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                                                        embedding_dim=engine.embedding_dim)
             )
             async for request in request_iterator:
+                started = time.perf_counter()
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError(f"after `open` every Stream message must be `frame`, got "
                                      f"{request.WhichOneof('payload') or 'an empty message'}")
@@ -73,7 +81,9 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                     raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
                 if not frame.HasField("samples"):
                     raise ValueError(f"frame {frame.frame_index} has no samples")
-                yield await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+                response = await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+                self.metrics.frame(time.perf_counter() - started)
+                yield response
         finally:
             self.live_sessions -= 1
 

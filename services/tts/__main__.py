@@ -18,6 +18,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
         service_names=[SERVICE_NAME],
         load=lambda: servicer.load(args.model),
         close=engine_thread.close,
+        metrics=servicer.metrics,
     )
 
 

@@ -2,11 +2,13 @@
 
 Stream protocol: SpeechOpen (seed, prompt_codes (frames, 31) int32 from the codec service, prefix_steps)
 answered by SpeechOpened; then one SpeechStep per frame answered by SpeechStepResult (raw and clean codes).
-The stream's end drops the session and its caches.
+The stream's end drops the session and its caches. Each step counts in `metrics` (frames, step time, over
+budget); open sessions are its active gauge.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import grpc
 from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
+from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
 from services.tts.engine import TTSEngine
@@ -23,13 +26,17 @@ SERVICE_NAME = full_service_name(speech_pb2, "SpeechService")
 
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
-    def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None):
+    def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None,
+                 metrics: Metrics | None = None):
         self.engine_thread = engine_thread
         self.engine = engine
         self.live_sessions = 0  # open Stream sessions
+        self.metrics = metrics or Metrics("tts")
+        self.metrics.track_sessions(lambda: self.live_sessions)
 
     async def load(self, model_dir: str | Path) -> None:
         self.engine = await self.engine_thread.run(TTSEngine.load, model_dir)
+        self.metrics.frame_budget_s = self.engine.config.frame_duration
 
     async def Describe(
         self, request: speech_pb2.SpeechDescribeRequest, context: grpc.aio.ServicerContext
@@ -68,6 +75,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
             expected: int | None = None
             async for request in request_iterator:
+                started = time.perf_counter()
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every SpeechStream message must be a `step`")
                 step = request.step
@@ -76,7 +84,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                     raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
                 raw, clean = await self.engine_thread.run(session.step, step.text_token_id)
                 expected = step.frame_index + 1
-                yield speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
+                response = speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
                     frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
+                self.metrics.frame(time.perf_counter() - started)
+                yield response
         finally:
             self.live_sessions -= 1

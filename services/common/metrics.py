@@ -1,0 +1,207 @@
+"""Prometheus metrics of one process role (a network service or the orchestrator) and their HTTP exposition.
+
+Every name carries a `service` label (perception, llm, tts, codec, orchestrator):
+
+    voicechat_active_sessions{service}            gauge: open streaming sessions (conversations, orchestrator)
+    voicechat_frames_total{service}               counter: frames processed
+    voicechat_frame_seconds{service}              histogram: seconds per frame (FRAME_BUCKETS, around the budget)
+    voicechat_frames_over_budget_total{service}   counter: frames whose seconds exceeded the frame budget (80 ms)
+    voicechat_errors_total{service,code}          counter: errors by gRPC status code name (services) or by
+                                                  conversation ERROR_CODE_* name / realtime error type (orchestrator)
+
+Each Metrics owns its own CollectorRegistry, so several servers in one test process do not collide:
+
+    metrics = Metrics("codec", frame_budget_s=0.08)
+    metrics.track_sessions(lambda: servicer.live_sessions)   # the gauge reads the count when scraped
+    metrics.frame(0.012)                                     # one frame done in 12 ms
+    metrics.error("INVALID_ARGUMENT")
+    with metrics.serve(port=0, host="127.0.0.1") as server:  # GET http://127.0.0.1:PORT/metrics
+        print(f"{METRICS_PREFIX}{server.url}")
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import socketserver
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+SERVICES = ("perception", "llm", "tts", "codec", "orchestrator")
+FRAME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.64, 1.28)
+DEFAULT_FRAME_BUDGET_S = 0.08  # the checkpoint's frame duration; the services set theirs from config.json
+METRICS_PORT_ENV = "VOICECHAT_METRICS_PORT"
+METRICS_PREFIX = "metrics on "  # the stdout line a started metrics server is announced with
+
+_SERVICE_FRAME_HELP = ("Seconds one streaming step took in this service, from its request arriving to its response "
+                       "being ready (engine queueing included)")
+_ORCHESTRATOR_FRAME_HELP = (
+    "Seconds per conversation frame: from the later of the previous frame's completion and this frame's audio "
+    "arriving, to this frame's completion (the interval of `orchestrator stream --profile`; waiting for the "
+    "client's audio is not counted). At or under the frame duration (80 ms) the conversation keeps up with real time"
+)
+
+
+class Metrics:
+    """The five metrics of one role, in a registry of their own; every method is safe from any thread."""
+
+    def __init__(self, service: str, *, frame_budget_s: float = DEFAULT_FRAME_BUDGET_S) -> None:
+        if service not in SERVICES:
+            raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+        if not frame_budget_s > 0:
+            raise ValueError(f"frame_budget_s must be positive, got {frame_budget_s}")
+        self.service = service
+        self.frame_budget_s = frame_budget_s
+        self.registry = CollectorRegistry()
+        self._session_counts: list[Callable[[], int]] = []
+        sessions = "conversations (gRPC Converse and /v1/realtime)" if service == "orchestrator" else "streams"
+        self._active = Gauge("voicechat_active_sessions", f"Open streaming sessions: {sessions} holding a slot",
+                             ["service"], registry=self.registry).labels(service)
+        self._active.set_function(self._count_sessions)
+        self._frames = Counter("voicechat_frames", "Frames processed" + (
+            ": frames whose events went out to a client" if service == "orchestrator" else ": streaming steps"),
+            ["service"], registry=self.registry).labels(service)
+        frame_help = _ORCHESTRATOR_FRAME_HELP if service == "orchestrator" else _SERVICE_FRAME_HELP
+        self._seconds = Histogram("voicechat_frame_seconds", frame_help, ["service"], buckets=FRAME_BUCKETS,
+                                  registry=self.registry).labels(service)
+        self._over_budget = Counter("voicechat_frames_over_budget", "Frames whose voicechat_frame_seconds exceeded "
+                                    "the frame budget (config.json frame_duration, 80 ms)",
+                                    ["service"], registry=self.registry).labels(service)
+        self._errors = Counter("voicechat_errors", "Errors sent to clients, by gRPC status code name (network "
+                               "services) or conversation ERROR_CODE_* name and realtime error type (orchestrator)",
+                               ["service", "code"], registry=self.registry)
+
+    def track_sessions(self, count: Callable[[], int]) -> None:
+        """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
+        self._session_counts.append(count)
+
+    def _count_sessions(self) -> float:
+        return float(sum(count() for count in self._session_counts))
+
+    def frame(self, seconds: float | None) -> None:
+        """One frame processed in `seconds`. None counts a frame whose time is unknown without timing it."""
+        self._frames.inc()
+        if seconds is None:
+            return
+        self._seconds.observe(seconds)
+        if seconds > self.frame_budget_s:
+            self._over_budget.inc()
+
+    def error(self, code: str) -> None:
+        """One error answered with `code` (e.g. "INVALID_ARGUMENT", "ERROR_CODE_SERVER_BUSY", "server_busy")."""
+        self._errors.labels(self.service, code).inc()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """A sample's current value, e.g. value("voicechat_frames_total"); None when it does not exist (yet)."""
+        return self.registry.get_sample_value(name, {"service": self.service, **labels})
+
+    def serve(self, port: int, host: str) -> MetricsServer:
+        """Expose the registry at http://HOST:PORT/metrics on a thread of its own (port 0 picks a free one)."""
+        return MetricsServer(self.registry, port=port, host=host)
+
+
+class _Handler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per scrape on stderr would drown the service's log
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves its host with socket.getfqdn, a reverse DNS lookup that can stall startup
+        # on a host without DNS; the name is only used for SERVER_NAME, which the exposition does not read.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        self.setup_environ()
+
+
+class MetricsServer:
+    """The Prometheus text exposition of `registry` over HTTP; binds at construction (OSError naming the address
+    when it cannot), serves on a daemon thread until stop()."""
+
+    def __init__(self, registry: CollectorRegistry, *, port: int, host: str) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port {port}: must be 0..65535")
+        self.host = _bracket(host)
+        bind = host.strip("[]") or "0.0.0.0"
+        where = f"{self.host}:{port}"
+        try:
+            family = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        except socket.gaierror as exc:
+            raise OSError(f"cannot serve metrics on {where}: {exc.strerror}") from exc
+        server_class = type("MetricsHTTPServer", (_ThreadingServer,), {"address_family": family})
+        try:
+            self._server = make_server(bind, port, make_wsgi_app(registry), server_class, handler_class=_Handler)
+        except OSError as exc:
+            hint = " (is the port in use?)" if port else ""
+            raise OSError(f"cannot serve metrics on {where}: {exc.strerror or exc}{hint}") from exc
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """http://HOST:PORT/metrics as bound, e.g. "http://[::]:9100/metrics"."""
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (idempotent)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def announce(server: MetricsServer) -> None:
+    """Print `metrics on http://HOST:PORT/metrics` (flushed), after the process's own ready line."""
+    print(f"{METRICS_PREFIX}{server.url}", flush=True)
+
+
+def parse_metrics_line(line: str) -> str | None:
+    """`"metrics on http://127.0.0.1:9100/metrics"` -> "http://127.0.0.1:9100/metrics"; None for other lines."""
+    line = line.strip()
+    return line[len(METRICS_PREFIX) :] if line.startswith(METRICS_PREFIX + "http://") else None
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port 0..65535 (from the flag or ${METRICS_PORT_ENV})")
+    return port
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser, *, bind_flag: str = "--host") -> None:
+    """--metrics-port N (default $VOICECHAT_METRICS_PORT, else no metrics server) and --metrics-host H
+    (None: the caller binds where `bind_flag` binds)."""
+    parser.add_argument(
+        "--metrics-port", type=_port, default=os.environ.get(METRICS_PORT_ENV) or None,
+        help=f"serve Prometheus metrics at http://HOST:N/metrics; 0 picks a free port (default ${METRICS_PORT_ENV}, "
+             "else no metrics server)")
+    parser.add_argument("--metrics-host", default=None,
+                        help=f"address the metrics server binds (default: the {bind_flag} address)")
+
+
+def start_from_args(metrics: Metrics, args: argparse.Namespace, bind_host: str) -> MetricsServer | None:
+    """The metrics server `add_metrics_flags`' flags ask for (None without --metrics-port); OSError when the port
+    cannot be bound."""
+    if args.metrics_port is None:
+        return None
+    return metrics.serve(args.metrics_port, args.metrics_host or bind_host)
