@@ -127,16 +127,9 @@ def parse_command(command: list[str]) -> Invocation:
     assert command[:2] == ["python", "-m"] and len(command) > 2, f"not `python -m MODULE ...`: {command}"
     module, argv = command[2], command[3:]
     args, unknown = program_parser(module).parse_known_args(argv)
-    if hasattr(args, "metrics_port"):
-        assert unknown == [], f"{module} does not accept {unknown}"
-        metrics_port = args.metrics_port
-    else:
-        # --metrics-port arrives with the metrics work; until this program has it, it is the one flag allowed to
-        # be unknown (with a port number after it). Once the flag exists, the branch above checks it instead.
-        assert len(unknown) == 2 and unknown[0] == "--metrics-port" and unknown[1].isdigit(), (
-            f"{module} does not accept {unknown}"
-        )
-        metrics_port = int(unknown[1])
+    assert unknown == [], f"{module} does not accept {unknown}"
+    assert args.metrics_port is not None, f"{module} is started without --metrics-port"
+    metrics_port = args.metrics_port
     return Invocation(module, args, metrics_port)
 
 
