@@ -1,16 +1,21 @@
 """Per-stage cost of one 80 ms frame, each network's engine called in this process.
 
-    python -m bench.stages --model DIR [--frames N] [--warmup W] [--json]
+    python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs] [--json]
 
 Drives each engine's streaming path the way an online session does (perception push of 1280 samples, one
 language step, one speech step, one codec frame decode) on the bundled question plus silence, one stage at a
 time, and prints per-stage p50/p95/mean in ms, the sum, and the real-time factor that sum implies for a
 sequential frame loop. Each timing ends after the stage's outputs are evaluated.
+
+`--count-syncs` also counts each stage's host synchronisations per frame (see `SyncCounter`); the counting
+wrappers cost a little Python time, so compare timings only between runs that both count or both don't.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import statistics
 import time
@@ -30,6 +35,53 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAME_MS = 80.0
 
 
+class SyncCounter:
+    """Counts the host synchronisations made while it is installed (`with SyncCounter() as counter:`).
+
+    `eval` counts `mx.eval` calls; `read` counts host reads of an array's value (`item`, `tolist`, `int`,
+    `float`, `bool` or index conversion, `np.array`/`np.asarray` of an mx.array). A read of an array that no
+    earlier `mx.eval` covered evaluates its graph and waits for it, like an `mx.eval`; a read after one only
+    copies. `counts` holds the totals by name (`eval`, `item`, `tolist`, `__int__`, ..., `numpy`).
+    """
+
+    READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner: object, name: str, kind: str, only_mlx: bool = False) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            if not only_mlx or (args and isinstance(args[0], mx.array)):
+                self.counts[kind] += 1
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def __enter__(self) -> SyncCounter:
+        self._wrap(mx, "eval", "eval")
+        for name in self.READS:
+            self._wrap(mx.array, name, name)
+        for name in ("array", "asarray"):
+            self._wrap(np, name, "numpy", only_mlx=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last take: {"eval": n, "read": m, "total": n + m}, then reset."""
+        evals = self.counts["eval"]
+        reads = sum(n for kind, n in self.counts.items() if kind != "eval")
+        self.counts.clear()
+        return {"eval": evals, "read": reads, "total": evals + reads}
+
+
 def summarize(values: list[float]) -> dict[str, float]:
     return {"p50_ms": percentile(values, 0.5), "p95_ms": percentile(values, 0.95), "mean_ms": statistics.fmean(values)}
 
@@ -47,7 +99,7 @@ def frames_of(frames: int) -> np.ndarray:
     return total.reshape(frames, 1280)
 
 
-def run(model: Path, frames: int, warmup: int) -> dict:
+def run(model: Path, frames: int, warmup: int, count_syncs: bool = False) -> dict:
     t0 = time.perf_counter()
     perception, language = PerceptionEngine.load(model), LanguageEngine.load(model)
     speech, codec = TTSEngine.load(model), CodecEngine.load(model)
@@ -58,21 +110,37 @@ def run(model: Path, frames: int, warmup: int) -> dict:
     voice = speech.open_session(0, codec.encode_prompt_codes(speech.prompt_frames), 0)
     decoder = codec.open_stream()
     times: dict[str, list[float]] = {"perception": [], "language": [], "tts": [], "codec": []}
+    syncs: dict[str, list[dict[str, int]]] = {name: [] for name in times}
+    counter = SyncCounter()
     for index, chunk in enumerate(audio):
-        marks = [time.perf_counter()]
-        frame = stream.push(chunk)
-        marks.append(time.perf_counter())
-        step = session.step(frame.audio_embedding)
-        marks.append(time.perf_counter())
-        _, clean = voice.step(step.text_id)
-        marks.append(time.perf_counter())
-        samples = decoder.decode_frame(index, clean)
+        counted = count_syncs and index >= warmup
+        with counter if counted else contextlib.nullcontext():
+            marks, counts = [time.perf_counter()], []
+            frame = stream.push(chunk)
+            marks.append(time.perf_counter())
+            counts.append(counter.take())
+            step = session.step(frame.audio_embedding)
+            marks.append(time.perf_counter())
+            counts.append(counter.take())
+            _, clean = voice.step(step.text_id)
+            marks.append(time.perf_counter())
+            counts.append(counter.take())
+            samples = decoder.decode_frame(index, clean)
+            marks.append(time.perf_counter())
+            counts.append(counter.take())
         mx.eval(mx.array(samples))
-        marks.append(time.perf_counter())
+        marks[-1] = time.perf_counter()
         if index >= warmup:
-            for stage, start, end in zip(times, marks, marks[1:], strict=False):
+            for stage, start, end, count in zip(times, marks[:-1], marks[1:], counts, strict=True):
                 times[stage].append((end - start) * 1000.0)
+                syncs[stage].append(count)
     stages = {name: summarize(values) for name, values in times.items()}
+    if count_syncs:
+        for name, rows in syncs.items():
+            stages[name]["syncs"] = {
+                kind: {"mean": statistics.fmean(row[kind] for row in rows),
+                       "max": max(row[kind] for row in rows)} for kind in ("eval", "read", "total")
+            }
     total = [sum(values) for values in zip(*times.values(), strict=True)]
     return {
         "model": str(model),
@@ -91,16 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--count-syncs", action="store_true",
+                        help="also count each stage's host synchronisations per frame (mx.eval calls, host reads)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    report = run(args.model, args.frames, args.warmup)
+    report = run(args.model, args.frames, args.warmup, args.count_syncs)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['model']} on {report['device']}: {args.frames} frames after {args.warmup} warm-up, "
           f"load {report['load_s']} s")
     for name, row in {**report["stages"], "frame": report["frame"]}.items():
-        print(f"  {name:<11} p50 {row['p50_ms']:8.2f} ms   p95 {row['p95_ms']:8.2f} ms   mean {row['mean_ms']:8.2f} ms")
+        line = f"  {name:<11} p50 {row['p50_ms']:8.2f} ms   p95 {row['p95_ms']:8.2f} ms   mean {row['mean_ms']:8.2f} ms"
+        if "syncs" in row:
+            s = row["syncs"]
+            line += (f"   syncs/frame {s['total']['mean']:5.2f} (max {s['total']['max']}): "
+                     f"eval {s['eval']['mean']:.2f}, read {s['read']['mean']:.2f}")
+        print(line)
     print(f"  real-time factor of a sequential frame loop: {report['realtime_factor']:.3f}")
     return 0
 

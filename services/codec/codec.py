@@ -11,6 +11,7 @@ owned by the caller, so one `Codec` serves any number of sessions.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -264,3 +265,23 @@ class Codec:
         trim = self.half_spec_context * self.config.hop_length
         state.frames_decoded += codes.shape[1]
         return samples[:, trim : samples.shape[1] - trim]
+
+    def stream_step(self, codes: mx.array, tails: list[mx.array], spec: tuple[mx.array, mx.array]
+                    ) -> tuple[mx.array, list[mx.array], tuple[mx.array, mx.array]]:
+        """`decode_step` as a pure function of a started stream's context: codes (B, T, Q), each decoder
+        block's tail (in decoder order) and the spectral context (real, imag) in; samples (B, T * S), the
+        tails and the spectral context after these frames out."""
+        state = DecodeState(dict(zip(self.decoder_blocks, tails, strict=True)), *spec)
+        samples = self.decode_step(codes, state)
+        return samples, [state.block_tails[index] for index in self.decoder_blocks], (state.spec_real, state.spec_imag)
+
+    @functools.cached_property
+    def decoder_blocks(self) -> list[int]:
+        """The decoder's ConvNeXt block indices in order: the order `stream_step` takes their tails in."""
+        return [layer.index for layer in self.decoder_layers if isinstance(layer, ConvNeXtBlock)]
+
+    @functools.cached_property
+    def compiled_stream_step(self):
+        """`stream_step` compiled (traced once per frame count, shared by every stream). A fresh stream's
+        first frame runs `decode_step`, which creates the context this step takes."""
+        return mx.compile(self.stream_step)

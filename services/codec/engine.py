@@ -146,7 +146,16 @@ class DecodeStream:
         if codes.ndim != 1:
             raise ValueError(f"a stream frame's codes must have shape ({engine.num_quantizers},), got {codes.shape}")
         codes = _check_codes(codes, "(Q,)", engine.num_quantizers, engine.codebook_size)
-        samples = engine.codec.decode_step(mx.array(codes)[None, None], self.state)[0]
-        mx.eval(samples, *self.state.arrays())
+        codec, state, frame = engine.codec, self.state, mx.array(codes)[None, None]
+        if state.frames_decoded == 0:  # the first frame creates the context the compiled step carries
+            samples = codec.decode_step(frame, state)[0]
+        else:
+            tails = [state.block_tails[index] for index in codec.decoder_blocks]
+            samples, tails, (state.spec_real, state.spec_imag) = codec.compiled_stream_step(
+                frame, tails, (state.spec_real, state.spec_imag))
+            state.block_tails = dict(zip(codec.decoder_blocks, tails, strict=True))
+            state.frames_decoded += 1
+            samples = samples[0]
+        mx.eval(samples, *state.arrays())
         self.next_frame += 1
         return np.array(samples)

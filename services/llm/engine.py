@@ -54,26 +54,34 @@ class LanguageSession:
     prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
 
-    def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array] | None:
-        """audio: (1, 1, D) -> both heads' logits at this position, (vocab,) each, or None when not wanted."""
-        fused = self.model.fuse(self.prev_text, audio, self.prev_function)
+    def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array, mx.array] | None:
+        """audio: (1, 1, D) -> both heads' logits at this position, (vocab,) each, and the greedy ids (2,),
+        all evaluated; None when the heads are not wanted. One host synchronisation."""
         if self.full_history:
             # Recompute over every fused input so far, heads over the whole sequence, as the reference does.
-            self.history.append(fused)
+            self.history.append(self.model.fuse(self.prev_text, audio, self.prev_function))
             hidden = self.model.backbone(mx.concatenate(self.history, axis=1))
             text_logits, function_logits = self.model.heads(hidden)
+            ids = self.model.greedy(text_logits, function_logits)
             self.positions += 1
-            mx.eval(self.history[-1], text_logits, function_logits)
-            return text_logits[0, -1], function_logits[0, -1]
-        hidden = self.model.backbone(fused, self.caches)
+            mx.eval(self.history[-1], text_logits, function_logits, ids)
+            return text_logits[0, -1], function_logits[0, -1], ids
+        if self.positions == 0:  # the caches are empty: the plain path creates their state
+            hidden = self.model.backbone(self.model.fuse(self.prev_text, audio, self.prev_function), self.caches)
+            out = ()
+            if want_heads:
+                text_logits, function_logits = self.model.heads(hidden)
+                out = (text_logits, function_logits, self.model.greedy(text_logits, function_logits))
+        else:
+            out = self.model.cached_step(self.prev_text, audio, self.prev_function, self.caches, want_heads)
         self.positions += 1
         state = [a for c in self.caches if c is not None for a in c.arrays()]
         if not want_heads:
             mx.eval(state)
             return None
-        text_logits, function_logits = self.model.heads(hidden)
-        mx.eval(state, text_logits, function_logits)
-        return text_logits[0, -1], function_logits[0, -1]
+        text_logits, function_logits, ids = out
+        mx.eval(state, text_logits, function_logits, ids)
+        return text_logits[0, -1], function_logits[0, -1], ids
 
     def prefill(self, embeddings: mx.array) -> None:
         """embeddings: (P, D) prompt rows on the audio channel; both output channels stay pad."""
@@ -96,11 +104,10 @@ class LanguageSession:
         if audio.dtype != mx.float32 or tuple(audio.shape) != (hidden,):
             raise ValueError(f"audio embedding must be float32 of shape ({hidden},); "
                              f"got {str(audio.dtype).rpartition('.')[2]} of shape {tuple(audio.shape)}")
-        logits = self._run(audio.reshape(1, 1, hidden), want_heads=True)
-        assert logits is not None
-        text_logits, function_logits = logits
-        self.prev_text = int(mx.argmax(text_logits))
-        self.prev_function = int(mx.argmax(function_logits))
+        out = self._run(audio.reshape(1, 1, hidden), want_heads=True)
+        assert out is not None
+        text_logits, function_logits, ids = out
+        self.prev_text, self.prev_function = ids.tolist()  # evaluated already: a copy, no wait
         self.frames += 1
         if not return_logits:
             return StepOutput(self.prev_text, self.prev_function)

@@ -14,6 +14,7 @@ state-space form for sequences, and a single-position recurrence whose ops reduc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -279,17 +280,30 @@ class Attention:
                    heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                    head_dim=cfg.attention_head_dim)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
-        """x: (B, L, D) -> (B, L, D); causal over the cache's earlier positions plus these L."""
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x: (B, L, D) -> q (B, heads, L, Dh), k and v (B, kv_heads, L, Dh)."""
         b, length, _ = x.shape
         q = self.q_proj(x).reshape(b, length, self.heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
+        """Causal attention of q over the cache's earlier keys plus k; writes k, v to the cache.
+        Returns (B, heads, L, Dh)."""
         if cache is not None:
             k, v = cache.update(k, v)
-        mask = "causal" if length > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+        mask = "causal" if q.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+
+    def output(self, out: mx.array) -> mx.array:
+        """out: (B, heads, L, Dh) -> (B, L, D)."""
+        b, _, length, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        """x: (B, L, D) -> (B, L, D); causal over the cache's earlier positions plus these L."""
+        return self.output(self.attend(*self.project(x), cache))
 
 
 @dataclass
@@ -350,6 +364,9 @@ class NemotronH:
         """x: (B, L, D) -> (B, L, D). Without caches the whole sequence is computed from scratch."""
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])
+        return self.final_norm(x)
+
+    def final_norm(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.norm_f, self.eps)
 
 
@@ -394,10 +411,96 @@ class DuplexLanguageModel:
         """audio: (1, 1, D) -> E(prev_text) + audio + w * E(prev_function), (1, 1, D).
 
         The sum runs left to right in the dtypes the reference uses (bf16 table rows, w * row in bf16)."""
-        text = self.embed_tokens(mx.array([[prev_text]], dtype=mx.int32))
-        function = self.embed_tokens(mx.array([[prev_function]], dtype=mx.int32))
+        return self.fuse_ids(token_ids(prev_text), audio, token_ids(prev_function))
+
+    def fuse_ids(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array) -> mx.array:
+        """`fuse` with the two ids given as (1, 1) int32 arrays."""
+        text = self.embed_tokens(prev_text)
+        function = self.embed_tokens(prev_function)
         return text + audio + self.function_channel_weight * function
 
     def heads(self, hidden: mx.array) -> tuple[mx.array, mx.array]:
         """hidden: (B, L, D) -> text and function logits, each (B, L, vocab)."""
         return self.lm_head(hidden), self.function_head(hidden)
+
+    def greedy(self, text_logits: mx.array, function_logits: mx.array) -> mx.array:
+        """Both heads' logits (B, L, vocab) -> (2,) uint32: the text and function argmax at the last position."""
+        return mx.stack([mx.argmax(text_logits[0, -1]), mx.argmax(function_logits[0, -1])])
+
+    @functools.cached_property
+    def cached_step(self) -> CachedStep:
+        """The compiled single-position step over caches that already hold a position (see `CachedStep`)."""
+        return CachedStep(self)
+
+
+def token_ids(token: int) -> mx.array:
+    """One id as the (1, 1) int32 array the embedding takes."""
+    return mx.array([[token]], dtype=mx.int32)
+
+
+# ---- the compiled single-position step ---------------------------------------------------------------------
+
+
+class CachedStep:
+    """One timeline position through the cached stack as a few compiled pieces, for caches that already hold
+    at least one position (every Mamba cache has its conv tail and SSM state, every attention cache a buffer).
+
+    The stack is cut at each attention layer: its cache write and attention run between the pieces, uncompiled,
+    because the number of keys grows every position; every other op runs inside a piece. Piece k is a pure
+    function (`_piece`). In: the two previous ids and the audio row (piece 0) or the residual stream and
+    attention k-1's output (later pieces), plus the conv tail and SSM state of each Mamba layer it runs.
+    Out: the residual stream with attention k's q, k, v (or, from the last piece, both heads' logits and the
+    greedy ids when `heads`), plus those Mamba states updated. Pieces are traced once per input dtype (the
+    prompt prefix may be bf16) and shared by every session; the ops and their order are those of the plain path,
+    so the numbers are too.
+    """
+
+    def __init__(self, model: DuplexLanguageModel):
+        self.model = model
+        self.blocks = model.backbone.blocks
+        cuts = [i for i, block in enumerate(self.blocks) if block.kind == "*"]
+        edges = [-1, *cuts, len(self.blocks)]
+        self.ranges = [(edges[k] + 1, edges[k + 1]) for k in range(len(edges) - 1)]
+        self.pieces = [mx.compile(functools.partial(self._piece, k)) for k in range(len(self.ranges))]
+
+    def _piece(self, k: int, carried: tuple[mx.array, ...], states: list[mx.array], heads: bool
+               ) -> tuple[tuple[mx.array, ...], list[mx.array]]:
+        """Piece k of the stack: (carried in, [conv, ssm] per Mamba layer) -> (carried out, updated states)."""
+        model, blocks = self.model, self.blocks
+        if k == 0:
+            x = model.fuse_ids(*carried)
+        else:
+            x, attended = carried
+            x = x + blocks[self.ranges[k - 1][1]].mixer.output(attended)
+        start, end = self.ranges[k]
+        pending, updated = iter(states), []
+        for block in blocks[start:end]:
+            if block.kind == "M":
+                cache = MambaCache(next(pending), next(pending))
+                x = block(x, cache)
+                updated += [cache.conv, cache.ssm]
+            else:
+                x = block(x)
+        if end < len(blocks):
+            attention = blocks[end]
+            return (x, *attention.mixer.project(mx.fast.rms_norm(x, attention.norm_weight, attention.eps))), updated
+        if not heads:
+            return (), updated
+        text_logits, function_logits = model.heads(model.backbone.final_norm(x))
+        return (text_logits, function_logits, model.greedy(text_logits, function_logits)), updated
+
+    def __call__(self, prev_text: int, audio: mx.array, prev_function: int, caches: list[LayerCache],
+                 heads: bool) -> tuple[mx.array, ...]:
+        """audio: (1, 1, D); caches: the session's, advanced in place by one position.
+        Returns (text logits, function logits (1, 1, vocab), ids (2,) uint32) when `heads`, else ()."""
+        carried: tuple[mx.array, ...] = (token_ids(prev_text), audio, token_ids(prev_function))
+        for k, piece in enumerate(self.pieces):
+            start, end = self.ranges[k]
+            mamba = [caches[i] for i in range(start, end) if self.blocks[i].kind == "M"]
+            carried, updated = piece(carried, [a for c in mamba for a in (c.conv, c.ssm)], heads)
+            for n, cache in enumerate(mamba):
+                cache.conv, cache.ssm = updated[2 * n], updated[2 * n + 1]
+            if end < len(self.blocks):
+                x, q, k_new, v_new = carried
+                carried = (x, self.blocks[end].mixer.attend(q, k_new, v_new, caches[end]))
+        return carried

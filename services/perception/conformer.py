@@ -8,6 +8,7 @@ Every module is a pure function of its weights and inputs. The whole-utterance d
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -304,3 +305,16 @@ class Conformer:
             new_attn.append(a)
             new_conv.append(c)
         return x, new_attn, new_conv
+
+    def stream_step(
+        self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array], conv_caches: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """One streaming push as a pure function: subsample the mel window (1, W, n_mels), run its encoder
+        frames [lo, hi) through every layer. Caches in, (frames (1, hi - lo, d_model), caches') out."""
+        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches)
+
+    @functools.cached_property
+    def compiled_stream_step(self):
+        """`stream_step` compiled: traced once per window shape and (lo, hi), shared by every stream. Streams
+        use it once their attention caches hold the full left context, when every shape stops changing."""
+        return mx.compile(self.stream_step)

@@ -177,15 +177,14 @@ class PerceptionStream:
         if len(chunks) != 1 or chunks[0].shape[1] != 1:  # guards the frame alignment invariant
             raise RuntimeError(f"streaming encoder produced {[c.shape for c in chunks]} for one frame")
         encoded = chunks[0]
-        projected = self.engine.proj(encoded)
-        mx.eval(projected, encoded, *self.encoder.arrays())
-        emitted, delta = [], ""
-        if self.engine.rnnt.vocabulary:
-            emitted, delta = self.engine.rnnt.transcript_update(self.rnnt, encoded)
-        if self.rnnt.lstm is not None:
-            mx.eval(*self.rnnt.lstm[0], *self.rnnt.lstm[1])
-        out = StreamFrame(self.frame_index, projected[0, 0], encoded[0, 0], delta, self.rnnt.text, emitted)
-        mx.eval(out.audio_embedding, out.encoder_out)
+        embedding, encoder_out = self.engine.proj(encoded)[0, 0], encoded[0, 0]
+        rnnt = self.engine.rnnt
+        proposal = rnnt.begin_frame(self.rnnt, encoded) if rnnt.vocabulary else None
+        # the frame's one evaluation: outputs, every cache and the first greedy RNNT steps together
+        mx.eval(embedding, encoder_out, *self.mel.arrays(), *self.encoder.arrays(),
+                *(proposal.arrays() if proposal is not None else ()))
+        emitted, delta = rnnt.finish_transcript(self.rnnt, proposal) if rnnt.vocabulary else ([], "")
+        out = StreamFrame(self.frame_index, embedding, encoder_out, delta, self.rnnt.text, emitted)
         self.frame_index += 1
         return out
 

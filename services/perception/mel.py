@@ -139,9 +139,12 @@ class MelStream:
         keep_from = max(end - self.keep_frames, 0) * cfg.hop_length
         if keep_from > self.offset:
             self.samples = self.samples[keep_from - self.offset :]
-            mx.eval(self.samples)  # cut the graph so old chunks are freed
             self.offset = keep_from
         return out
+
+    def arrays(self) -> list[mx.array]:
+        """The retained samples, to evaluate with the frame's outputs so old chunks are freed."""
+        return [self.samples]
 
     def _frames(self, start: int, end: int) -> mx.array:
         """Frames [start, end) from the retained buffer (absolute indices)."""

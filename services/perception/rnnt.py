@@ -69,12 +69,14 @@ class PredictionNetwork:
         return cls(Embedding.from_weights(weights, f"{path}.prediction.embed"), layers, hidden)
 
     def __call__(
-        self, token: int | None, state: tuple[list[mx.array], list[mx.array]] | None
+        self, token: int | mx.array | None, state: tuple[list[mx.array], list[mx.array]] | None
     ) -> tuple[mx.array, tuple[list[mx.array], list[mx.array]]]:
-        """token: last emitted id, or None for blank (zero input); state: per-layer (h, c) lists (B=1).
-        Returns (output (1, 1, H), new state)."""
+        """token: last emitted id (an int or a scalar array), or None for blank (zero input); state: per-layer
+        (h, c) lists (B=1). Returns (output (1, 1, H), new state)."""
         if token is None:
             x = mx.zeros((1, self.hidden), dtype=mx.float32)
+        elif isinstance(token, mx.array):
+            x = self.embed(token.reshape(1).astype(mx.int32))
         else:
             x = self.embed(mx.array([token], dtype=mx.int32))
         hs, cs = [], []
@@ -127,6 +129,25 @@ class RNNTState:
 
 
 @dataclass
+class Proposal:
+    """A few greedy RNNT steps of one frame, built before any of them is read back.
+
+    Step i (after the first) assumes step i-1 emitted, so it predicts from that step's id and LSTM state; only
+    the steps up to the first blank are accepted, and those computed exactly what one-at-a-time decoding
+    computes. ids: (n,) uint32; states[i]: the LSTM state that accepting step i leaves (already cast)."""
+
+    enc_proj: mx.array
+    ids: mx.array
+    states: list[tuple[list[mx.array], list[mx.array]]]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
+
+
+SYMBOLS_PER_READ = 2  # greedy steps built per host read: most frames emit none or one symbol
+
+
+@dataclass
 class RNNT:
     prediction: PredictionNetwork
     joint: JointNetwork
@@ -137,30 +158,64 @@ class RNNT:
     def new_state(self) -> RNNTState:
         return RNNTState(self.blank)
 
+    def propose(self, state: RNNTState, enc_proj: mx.array, steps: int, dtype: mx.Dtype) -> Proposal:
+        """Build (without evaluating) `steps` greedy steps from `state`; enc_proj: (1, 1, J) = joint.enc(frame)."""
+        token: int | mx.array | None = None if state.last_token == self.blank else state.last_token
+        lstm = state.lstm
+        ids, states = [], []
+        for _ in range(steps):
+            pred, proposed = self.prediction(token, lstm)
+            best = mx.argmax(self.joint(enc_proj, pred.astype(dtype)))
+            lstm = ([h.astype(dtype) for h in proposed[0]], [c.astype(dtype) for c in proposed[1]])
+            ids.append(best)
+            states.append(lstm)
+            # a blank here ends the frame and the next step is never accepted; keep its lookup in range
+            token = mx.minimum(best, self.prediction.embed.num_embeddings - 1)
+        return Proposal(enc_proj, mx.stack(ids), states)
+
+    def begin_frame(self, state: RNNTState, frame: mx.array) -> Proposal | None:
+        """frame: (1, 1, d_model) encoder output -> the frame's first greedy steps, unevaluated (None when
+        max_symbols is 0). Evaluate `proposal.arrays()` with the frame's other outputs, then `end_frame`."""
+        if self.max_symbols <= 0:
+            return None
+        return self.propose(state, self.joint.enc(frame), min(SYMBOLS_PER_READ, self.max_symbols), frame.dtype)
+
+    def end_frame(self, state: RNNTState, proposal: Proposal | None) -> list[int]:
+        """Accept the proposed steps up to the first blank, proposing more while every step emitted (at most
+        `max_symbols` in all); advances `state` and returns the ids emitted (specials included, blanks not).
+        One host read per proposal."""
+        emitted: list[int] = []
+        while proposal is not None:
+            ids = proposal.ids.tolist()
+            accepted = ids.index(self.blank) if self.blank in ids else len(ids)
+            if accepted:
+                state.last_token = ids[accepted - 1]
+                state.lstm = proposal.states[accepted - 1]
+            for best in ids[:accepted]:
+                emitted.append(best)
+                if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
+                    state.token_ids.append(best)
+            left = self.max_symbols - len(emitted)
+            if accepted < len(ids) or left <= 0:
+                break
+            dtype = proposal.states[0][0][0].dtype
+            proposal = self.propose(state, proposal.enc_proj, min(SYMBOLS_PER_READ, left), dtype)
+        return emitted
+
     def decode_frame(self, state: RNNTState, frame: mx.array) -> list[int]:
         """frame: (1, 1, d_model) encoder output. Advances `state`; returns every id emitted on this frame
         (specials included, blanks not); at most `max_symbols`."""
-        enc_proj = self.joint.enc(frame)
-        emitted: list[int] = []
-        while len(emitted) < self.max_symbols:
-            token = None if state.last_token == self.blank else state.last_token
-            pred, proposed = self.prediction(token, state.lstm)
-            logits = self.joint(enc_proj, pred.astype(frame.dtype))
-            best = int(mx.argmax(logits))
-            if best == self.blank:
-                break
-            state.last_token = best
-            state.lstm = ([h.astype(frame.dtype) for h in proposed[0]], [c.astype(frame.dtype) for c in proposed[1]])
-            emitted.append(best)
-            if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
-                state.token_ids.append(best)
-        return emitted
+        return self.end_frame(state, self.begin_frame(state, frame))
 
     def transcript_update(self, state: RNNTState, frame: mx.array) -> tuple[list[int], str]:
         """Decode one frame and refresh `state.text`; returns (ids emitted, text delta). The delta is the new
         suffix when the text grows, else the whole new text (the cumulative text is authoritative)."""
+        return self.finish_transcript(state, self.begin_frame(state, frame))
+
+    def finish_transcript(self, state: RNNTState, proposal: Proposal | None) -> tuple[list[int], str]:
+        """`transcript_update` for a frame whose first steps `begin_frame` already built."""
         before = len(state.token_ids)
-        emitted = self.decode_frame(state, frame)
+        emitted = self.end_frame(state, proposal)
         if len(state.token_ids) == before:
             return emitted, ""
         state.joined += _join(state.token_ids[before:], self.vocabulary)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from services.perception.conformer import Conformer
+from services.perception.conformer import Conformer, subsampled_length
 
 # Mel frames kept for the subsampling window; covers the causal receptive field of the 8x stride stack.
 SUBSAMPLING_MEL_CACHE = 16
@@ -50,11 +50,11 @@ class EncoderStream:
     def _encode(self, mel: mx.array, to_edge: bool) -> mx.array | None:
         cached = 0 if self.mel_cache is None else self.mel_cache.shape[1]
         window = mel if self.mel_cache is None else mx.concatenate([self.mel_cache, mel], axis=1)
-        sub = self.encoder.pre_encode(window)
+        subsampled = subsampled_length(window.shape[1], self.encoder.cfg.subsampling_steps)
         end = self.consumed + mel.shape[1]
-        base = (self.consumed - cached) // self.factor  # encoder index of sub[:, 0]
+        base = (self.consumed - cached) // self.factor  # encoder index of the window's first encoder frame
         lo = self.emitted - base
-        hi = sub.shape[1] if to_edge else end // self.factor - base
+        hi = subsampled if to_edge else end // self.factor - base
         self.consumed = end
         # keep the window start on the subsampling grid
         keep = SUBSAMPLING_MEL_CACHE + (end - SUBSAMPLING_MEL_CACHE) % self.factor
@@ -63,7 +63,10 @@ class EncoderStream:
             self.emitted = base + max(lo, hi)
             return None
         self.emitted = base + hi
-        h, self.attn_caches, self.conv_caches = self.encoder.step(sub[:, lo:hi], self.attn_caches, self.conv_caches)
+        # while the attention caches fill, their shapes change every push: run those pushes uncompiled
+        full = self.attn_caches[0].shape[1] == self.encoder.cfg.left_context
+        step = self.encoder.compiled_stream_step if full else self.encoder.stream_step
+        h, self.attn_caches, self.conv_caches = step(window, lo, hi, self.attn_caches, self.conv_caches)
         return h
 
     def arrays(self) -> list[mx.array]:

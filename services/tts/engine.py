@@ -127,8 +127,9 @@ class TTSSession:
         if text_id == engine.config.eos_token_id:
             self.previous = engine.silence_codes[None, None, :]
         codes = engine.model.step(self.previous, text_id, engine.table, self.caches, self.rng)
-        clean = engine.clean(codes)
-        mx.eval(codes, clean)
+        both = mx.stack([codes[0, 0], engine.clean(codes)[0, 0]])  # raw and clean: one array, one read
+        mx.eval(codes, both)
         self.previous = codes
         self.steps += 1
-        return np.array(codes[0, 0], dtype=np.int32), np.array(clean[0, 0], dtype=np.int32)
+        raw, clean = np.array(both, dtype=np.int32)
+        return raw, clean

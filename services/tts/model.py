@@ -109,9 +109,8 @@ class EarTts:
     def embed_codes(self, codes: mx.array) -> mx.array:
         return self.embed_code(self.depth_sum(codes))
 
-    def _fuse_guided(self, code_embed: mx.array, ids: mx.array, mask: mx.array, table: CharTable) -> mx.array:
-        """Batch 2 for guidance: row 0 conditioned on the text, row 1 on the null embedding."""
-        cond = self.embed_subword(ids, mask, table)
+    def _fuse_guided(self, code_embed: mx.array, cond: mx.array) -> mx.array:
+        """Batch 2 for guidance: row 0 conditioned on the text embedding `cond`, row 1 on the null embedding."""
         null = mx.broadcast_to(self.null_emb, cond.shape).astype(cond.dtype)
         text = mx.concatenate([cond, null], axis=0)
         return self.fusion(mx.concatenate([code_embed, code_embed], axis=0), text)
@@ -132,13 +131,14 @@ class EarTts:
         code_embed = code_embed + bos[..., None] * self.bos_emb
         ids = mx.full((1, frames), pad_id, mx.int32)
         text_mask = position >= frames - 2
-        self.backbone(self._fuse_guided(code_embed, ids, text_mask, table), caches)
+        self.backbone(self._fuse_guided(code_embed, self.embed_subword(ids, text_mask, table)), caches)
 
     def step(self, previous_code: mx.array, text_id: int, table: CharTable, caches: Caches,
              rng: SessionKey) -> mx.array:
         """previous_code: (1, 1, Q) -> this frame's codes (1, 1, Q) int32; advances caches and rng."""
         ids = mx.array([[text_id]], mx.int32)
-        inputs = self._fuse_guided(self.embed_codes(previous_code), ids, mx.ones(ids.shape, mx.bool_), table)
+        cond = self.embed_subword.embed_known(ids, [text_id], [True], table)  # the host has the id: no read
+        inputs = self._fuse_guided(self.embed_codes(previous_code), cond)
         return self.generate_codes(self.backbone(inputs, caches), rng)
 
     def generate_codes(self, hidden: mx.array, rng: SessionKey) -> mx.array:

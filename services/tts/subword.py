@@ -164,11 +164,15 @@ class CharAwareSubwordEncoder:
         return self.proj_embedding(pooled)
 
     def __call__(self, ids: mx.array, mask: mx.array, table: CharTable) -> mx.array:
-        """ids: (B, T) int32, mask: (B, T) bool (positions to condition) -> (B, T, out)."""
+        """ids: (B, T) int32, mask: (B, T) bool (positions to condition) -> (B, T, out). Reads both back to
+        the host to find each id's characters; `embed_known` takes ids the host already has."""
+        return self.embed_known(ids, ids.reshape(-1).tolist(), mask.reshape(-1).tolist(), table)
+
+    def embed_known(self, ids: mx.array, flat_ids: list[int], flat_mask: list[bool], table: CharTable) -> mx.array:
+        """`__call__` with the ids and mask also given as flat host lists (row-major), so nothing is read back."""
         b, t = ids.shape
         dtype = self.embed_tokens(mx.array([0])).dtype
         out = mx.zeros((b, t, self.proj_embedding.out_features), dtype=dtype)
-        flat_ids, flat_mask = ids.reshape(-1).tolist(), mask.reshape(-1).tolist()
         where = [i for i, keep in enumerate(flat_mask) if keep]
         prepared = table.batch([flat_ids[i] for i in where]) if where else None
         if prepared is not None:

@@ -29,6 +29,30 @@ def test_stage_bench_reports_every_stage(tiny_checkpoint, capsys):
     assert all(0 < row["p50_ms"] <= row["p95_ms"] for row in report["stages"].values())
 
 
+def test_stage_bench_counts_host_syncs(tiny_checkpoint, capsys):
+    assert stages.main(["--model", str(tiny_checkpoint), "--frames", "3", "--warmup", "1", "--count-syncs",
+                        "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for row in report["stages"].values():
+        syncs = row["syncs"]
+        assert syncs["eval"]["mean"] >= 1  # every stage ends by evaluating its outputs
+        assert syncs["total"]["mean"] == syncs["eval"]["mean"] + syncs["read"]["mean"]
+
+
+def test_sync_counter_counts_evals_and_reads_and_restores_everything():
+    import mlx.core as mx
+    import numpy as np
+
+    originals = (mx.eval, mx.array.item, np.asarray)
+    x = mx.array([1.0, 2.0]) * 2
+    with stages.SyncCounter() as counter:
+        mx.eval(x)
+        float(x[0]), x.tolist(), np.array(x), np.asarray([1])  # the list is no MLX read
+        assert counter.take() == {"eval": 1, "read": 3, "total": 4}
+        assert counter.take() == {"eval": 0, "read": 0, "total": 0}
+    assert (mx.eval, mx.array.item, np.asarray) == originals
+
+
 def test_rtf_offline_reports_each_length(tiny_checkpoint, capsys):
     from bench import rtf
 

@@ -180,6 +180,18 @@ def test_stream_in_chunks_equals_frame_by_frame(codec, engine, chunk):
     assert state.frames_decoded == 6
 
 
+def test_compiled_stream_frames_equal_the_plain_step_bit_for_bit(codec, engine):
+    codes = random_codes(engine, 8, seed=5)
+    stream, state = engine.open_stream(), DecodeState()
+    for index, frame in enumerate(codes):
+        got = stream.decode_frame(index, frame)  # frames after the first run the compiled step
+        expected = np.array(codec.decode_step(mx.array(frame)[None, None], state))[0]
+        np.testing.assert_array_equal(got, expected)
+    for mine, theirs in zip(stream.state.arrays(), state.arrays(), strict=True):
+        assert mx.array_equal(mine, theirs).item()
+    assert stream.state.frames_decoded == state.frames_decoded == 8
+
+
 def test_stream_state_holds_each_block_context(codec, engine):
     stream = engine.open_stream()
     stream.decode_frame(0, random_codes(engine, 1)[0])

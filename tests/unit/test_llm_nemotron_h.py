@@ -159,3 +159,27 @@ def test_backbone_makes_one_cache_per_block_kind(tiny_checkpoint):
     caches = model.make_caches()
     stepped = mx.concatenate([model(x[:, t : t + 1], caches) for t in range(6)], axis=1)
     np.testing.assert_allclose(np.array(stepped), np.array(model(x)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefix_dtype", [mx.float32, mx.bfloat16])
+def test_compiled_cached_step_equals_the_plain_stack_bit_for_bit(tiny_checkpoint, prefix_dtype):
+    from services.llm.engine import LanguageEngine
+
+    model = LanguageEngine.load(tiny_checkpoint).model
+    rng = np.random.default_rng(1)
+    rows = mx.array(rng.standard_normal((12, 1, 1, model.hidden_size)).astype(np.float32))
+    plain, compiled = model.make_caches(), model.make_caches()
+    ids = (model.pad_id, model.pad_id)
+    for t in range(rows.shape[0]):
+        audio = rows[t].astype(prefix_dtype) if t < 3 else rows[t]  # a prompt prefix, then audio rows
+        text_logits, function_logits = model.heads(model.backbone(model.fuse(ids[0], audio, ids[1]), plain))
+        if t == 0:  # the compiled step needs caches that already hold a position
+            model.backbone(model.fuse(ids[0], audio, ids[1]), compiled)
+            continue
+        got_text, got_function, got_ids = model.cached_step(ids[0], audio, ids[1], compiled, heads=True)
+        assert mx.array_equal(got_text, text_logits).item() and mx.array_equal(got_function, function_logits).item()
+        assert got_ids.tolist() == model.greedy(text_logits, function_logits).tolist()
+        for mine, theirs in zip(compiled, plain, strict=True):
+            for a, b in zip(mine.arrays() if mine else [], theirs.arrays() if theirs else [], strict=True):
+                assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+        ids = tuple(got_ids.tolist())

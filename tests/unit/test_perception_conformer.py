@@ -96,3 +96,18 @@ def test_encoder_stream_gives_one_frame_per_80ms_and_tracks_the_offline_encoder(
     np.testing.assert_allclose(frames[0], offline[0], rtol=0, atol=1e-4)
     np.testing.assert_allclose(np.stack(frames), offline, rtol=0, atol=0.1)
     assert len(stream.arrays()) == 1 + 2 * cfg.n_layers
+
+
+def test_compiled_streaming_push_equals_the_plain_one_bit_for_bit(tiny_checkpoint):
+    """Past the left context every push runs the compiled step: outputs and transcript as the plain step's."""
+    compiled, plain = PerceptionEngine.load(tiny_checkpoint), PerceptionEngine.load(tiny_checkpoint)
+    plain.encoder.__dict__["compiled_stream_step"] = plain.encoder.stream_step  # shadows the cached property
+    frames = plain.encoder.cfg.left_context + 12
+    audio = np.random.default_rng(0).standard_normal((frames, plain.frame_samples)).astype(np.float32) * 0.1
+    streams = compiled.open_stream(), plain.open_stream()
+    for chunk in audio:
+        a, b = (stream.push(chunk) for stream in streams)
+        assert mx.array_equal(a.encoder_out, b.encoder_out).item()
+        assert mx.array_equal(a.audio_embedding, b.audio_embedding).item()
+        assert (a.token_ids, a.transcript) == (b.token_ids, b.transcript)
+    assert streams[0].encoder.attn_caches[0].shape[1] == plain.encoder.cfg.left_context

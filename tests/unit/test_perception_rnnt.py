@@ -89,3 +89,45 @@ def test_prediction_output_is_the_top_layer_hidden(token):
     out, (hs, cs) = rnnt.prediction(token, None)
     assert out.shape == (1, 1, H) and len(hs) == len(cs) == 2
     np.testing.assert_array_equal(np.array(out[0]), np.array(hs[-1]))
+
+
+def _one_at_a_time(rnnt, state, frame):
+    """Greedy decoding one step and one host read at a time, as the proposals must reproduce it."""
+    enc_proj, emitted = rnnt.joint.enc(frame), []
+    while len(emitted) < rnnt.max_symbols:
+        token = None if state.last_token == rnnt.blank else state.last_token
+        pred, proposed = rnnt.prediction(token, state.lstm)
+        best = int(mx.argmax(rnnt.joint(enc_proj, pred.astype(frame.dtype))))
+        if best == rnnt.blank:
+            break
+        state.last_token, state.lstm = best, proposed
+        emitted.append(best)
+    return emitted
+
+
+@pytest.mark.parametrize("max_symbols", [1, 2, 3, 5])
+def test_proposed_steps_emit_what_one_step_at_a_time_emits(max_symbols):
+    rng = np.random.default_rng(4)
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    layers = [LSTMLayer(arr(4 * H, H), arr(4 * H, H), arr(4 * H)) for _ in range(2)]
+    prediction = PredictionNetwork(Embedding(arr(BLANK + 1, H)), layers, H)
+    bias = np.zeros(BLANK + 1, np.float32)
+    bias[BLANK] = 2.0  # blank often enough that frames end after different numbers of symbols
+    joint = JointNetwork(Linear(arr(H, H), arr(H)), Linear(arr(H, H), arr(H)),
+                         Linear(arr(BLANK + 1, H), mx.array(bias)))
+    rnnt = RNNT(prediction, joint, VOCAB, BLANK, max_symbols)
+    ours, theirs = rnnt.new_state(), rnnt.new_state()
+    counts = []
+    for _ in range(40):
+        frame = arr(1, 1, H) * 2.0
+        emitted = rnnt.decode_frame(ours, frame)
+        assert emitted == _one_at_a_time(rnnt, theirs, frame)
+        assert ours.last_token == theirs.last_token
+        if theirs.lstm is not None:
+            for a, b in zip([*ours.lstm[0], *ours.lstm[1]], [*theirs.lstm[0], *theirs.lstm[1]], strict=True):
+                assert mx.array_equal(a, b).item()
+        counts.append(len(emitted))
+    assert 0 in counts and len(set(counts)) > 1  # blank frames and frames of different lengths
