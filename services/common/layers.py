@@ -9,6 +9,7 @@ numbers equal the reference's bit for bit. Weights are read from a `Weights` by 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -100,3 +101,29 @@ class Embedding:
     def as_linear(self, x: mx.array) -> mx.array:
         """x @ table^T, as a tied output head would compute it."""
         return Linear(self.weight, None, self.scales, self.biases, self.spec)(x)
+
+
+def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) -> list[mx.array]:
+    """Store the dense `weight` and `bias` of every `kinds` instance under `module` (dataclass fields, lists and
+    tuples, recursively) in `dtype` when they are narrower; returns the converted arrays (to evaluate).
+
+    Only for modules whose matmuls and convolutions always see `dtype` activations: MLX promotes a narrower
+    weight to the activations' dtype inside every call, a converted copy of the whole weight per call. Stored
+    converted once (exactly: every bf16 value is a float32 value), each call computes with the very values it
+    used before, so outputs are unchanged; the cost is the wider weights' memory.
+    """
+    converted: list[mx.array] = []
+    if isinstance(module, kinds):
+        if getattr(module, "spec", None) is None:  # quantized weights are not promoted
+            for name in ("weight", "bias"):
+                value = getattr(module, name)
+                if value is not None and mx.issubdtype(value.dtype, mx.floating) and value.itemsize < dtype.size:
+                    setattr(module, name, value.astype(dtype))
+                    converted.append(getattr(module, name))
+    elif dataclasses.is_dataclass(module) and not isinstance(module, type):
+        for field in dataclasses.fields(module):
+            converted += widen(getattr(module, field.name), dtype, kinds)
+    elif isinstance(module, list | tuple):
+        for item in module:
+            converted += widen(item, dtype, kinds)
+    return converted

@@ -19,8 +19,8 @@ import numpy as np
 
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
-from services.common.layers import Linear
-from services.perception.conformer import Conformer
+from services.common.layers import Linear, widen
+from services.perception.conformer import Conformer, Conv
 from services.perception.mel import MelStream, log_mel
 from services.perception.rnnt import RNNT, JointNetwork, PredictionNetwork, RNNTState, pieces_to_text
 from services.perception.streaming import EncoderStream
@@ -114,6 +114,9 @@ class PerceptionEngine:
                                                     audio.decoder.pred_hidden)
         joint = JointNetwork.from_weights(weights, "stt_model.rnnt_joint", audio.joint.activation)
         rnnt = RNNT(prediction, joint, _vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
+        # The encoder, projection and joint always compute in float32 (mel in): keep their matmul and conv
+        # weights in float32 rather than have every call convert them. The LSTM's input may be a bf16 row.
+        mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv)))
         return cls(config, encoder, proj, rnnt)
 
     @property

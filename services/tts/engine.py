@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
+from services.common.layers import widen
 from services.tts.backbone import FullCache, RingCache
 from services.tts.model import EarTts
 from services.tts.rng import SessionKey
@@ -53,6 +54,9 @@ class TTSEngine:
             weights = checkpoint.load(TTS_PREFIXES)
             tts = config.tts_config
             model = EarTts.from_weights(weights, "tts_model.tts_model", tts)
+            # These compute in float32 (the character encoder and the text projection run in the table's bf16):
+            # keep their weights in float32 rather than have every call convert them.
+            wide = widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32)
             latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
             if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
                 raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "
@@ -66,7 +70,7 @@ class TTSEngine:
                 silence_codes=weights.get("tts_model.codec_silence_tokens", (tts.num_quantizers,)).astype(mx.int32),
                 control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
             )
-            mx.eval(weights.arrays, model.code_table, model.code_norms)
+            mx.eval(weights.arrays, model.code_table, model.code_norms, wide)
             return engine
         finally:
             checkpoint.close()

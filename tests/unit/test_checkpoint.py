@@ -232,3 +232,29 @@ def test_dequantized_copy_holds_the_same_dense_weights_as_dequantizing_at_load(t
     assert sorted(copied.keys()) == sorted(at_load.keys())
     for key in at_load.keys():
         assert copied.get(key).dtype == at_load.get(key).dtype and mx.array_equal(copied.get(key), at_load.get(key))
+
+
+def test_widen_stores_dense_weights_wider_and_leaves_the_outputs_alone():
+    from dataclasses import dataclass
+
+    import mlx.core as mx
+
+    from services.common.config import QuantSpec
+    from services.common.layers import Linear, widen
+
+    rng = np.random.default_rng(0)
+    dense = Linear(mx.array(rng.standard_normal((8, 64)), mx.bfloat16), mx.array(rng.standard_normal(8), mx.bfloat16))
+    w, scales, biases = mx.quantize(mx.array(rng.standard_normal((8, 64)), mx.float32), 64, 4)
+    packed = Linear(w, None, scales, biases, QuantSpec(bits=4, group_size=64))
+
+    @dataclass
+    class Holder:
+        layers: list
+
+    x = mx.array(rng.standard_normal((2, 64)), mx.float32)
+    before = dense(x), packed(x)
+    converted = widen(Holder([dense, (packed,)]), mx.float32)
+    assert len(converted) == 2 and dense.weight.dtype == dense.bias.dtype == mx.float32
+    assert packed.weight.dtype == mx.uint32 and packed.scales.dtype == mx.float32
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, (dense(x), packed(x)), strict=True))
+    assert widen(dense, mx.float32) == []  # already wide
