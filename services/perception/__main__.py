@@ -9,12 +9,20 @@ from services.common.engine_thread import EngineThread
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--float32-weights", action="store_true",
+        help="keep float32 copies of the weights whose matmuls run in float32 (faster frames, identical outputs, "
+             "twice those weights' memory)",
+    )
+
+
 def build(args: argparse.Namespace) -> ServiceSpec:
     engine_thread = EngineThread("perception")
     servicer = PerceptionServicer(engine_thread)
 
     async def load() -> None:
-        await servicer.load(args.model)
+        await servicer.load(args.model, args.float32_weights)
 
     return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close,
                        metrics=servicer.metrics)
@@ -25,6 +33,7 @@ if __name__ == "__main__":
         run_service(
             build,
             prog="services.perception",
+            add_arguments=add_arguments,
             description="Log-mel, FastConformer and RNNT transcript over gRPC (whole utterances and 80 ms streams).",
         )
     )

@@ -98,7 +98,7 @@ class PerceptionEngine:
         self.sample_rate = config.input_sample_rate
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> PerceptionEngine:
+    def load(cls, model_dir: str | Path, float32_weights: bool = False) -> PerceptionEngine:
         model_dir = Path(model_dir)
         checkpoint = Checkpoint(model_dir)
         config = checkpoint.config
@@ -114,9 +114,11 @@ class PerceptionEngine:
                                                     audio.decoder.pred_hidden)
         joint = JointNetwork.from_weights(weights, "stt_model.rnnt_joint", audio.joint.activation)
         rnnt = RNNT(prediction, joint, _vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
-        # The encoder, projection and joint always compute in float32 (mel in): keep their matmul and conv
-        # weights in float32 rather than have every call convert them. The LSTM's input may be a bf16 row.
-        mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv)))
+        if float32_weights:
+            # The encoder, projection and joint always compute in float32 (mel in): keep their matmul and conv
+            # weights in float32 rather than have every call convert them (outputs are identical; the converted
+            # weights take twice the memory). The LSTM's input may be a bf16 row: it stays as stored.
+            mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv)))
         return cls(config, encoder, proj, rnnt)
 
     @property

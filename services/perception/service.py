@@ -33,9 +33,9 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
         self.metrics = metrics or Metrics("perception")
         self.metrics.track_sessions(lambda: self.live_sessions)
 
-    async def load(self, model_dir: str | Path) -> None:
+    async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
-        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir)
+        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, float32_weights)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
     @property

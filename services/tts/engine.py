@@ -47,7 +47,7 @@ class TTSEngine:
     control_codes: mx.array  # (3,) int32
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> TTSEngine:
+    def load(cls, model_dir: str | Path, float32_weights: bool = False) -> TTSEngine:
         checkpoint = Checkpoint(model_dir)
         try:
             config = checkpoint.config
@@ -55,8 +55,10 @@ class TTSEngine:
             tts = config.tts_config
             model = EarTts.from_weights(weights, "tts_model.tts_model", tts)
             # These compute in float32 (the character encoder and the text projection run in the table's bf16):
-            # keep their weights in float32 rather than have every call convert them.
-            wide = widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32)
+            # with float32_weights their weights are kept in float32 rather than converted by every call
+            # (identical outputs, twice the memory for them).
+            wide = (widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32)
+                    if float32_weights else [])
             latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
             if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
                 raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "

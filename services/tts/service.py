@@ -34,8 +34,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self.metrics = metrics or Metrics("tts")
         self.metrics.track_sessions(lambda: self.live_sessions)
 
-    async def load(self, model_dir: str | Path) -> None:
-        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir)
+    async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
+        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights)
         self.metrics.frame_budget_s = self.engine.config.frame_duration
 
     async def Describe(

@@ -30,8 +30,9 @@ def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
 
     def get(kind):
         if kind not in cache:
-            path = {"tiny": tiny_checkpoint, "tiny4": tiny4_checkpoint, "tinymix": tinymix_checkpoint}[kind]
-            cache[kind] = PerceptionEngine.load(path)
+            path = {"tiny": tiny_checkpoint, "tiny32": tiny_checkpoint, "tiny4": tiny4_checkpoint,
+                    "tinymix": tinymix_checkpoint}[kind]
+            cache[kind] = PerceptionEngine.load(path, float32_weights=kind == "tiny32")  # tiny32: float32 copies
         return cache[kind]
 
     return get
@@ -39,7 +40,8 @@ def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
 
 @pytest.mark.parametrize(
     "name,kind",
-    [("offline", "tiny"), ("offline_prompt", "tiny"), ("offline_4bit", "tiny4"), ("offline_mixed", "tinymix")],
+    [("offline", "tiny"), ("offline", "tiny32"), ("offline_prompt", "tiny"), ("offline_4bit", "tiny4"),
+     ("offline_mixed", "tinymix")],
 )
 def test_offline_matches_the_golden(engines, name, kind):
     g, meta = _golden(name)
@@ -53,10 +55,10 @@ def test_offline_matches_the_golden(engines, name, kind):
     assert result.transcript == meta["transcript"]
 
 
-@pytest.mark.parametrize("name", ["online", "online_prompt"])
-def test_streaming_matches_the_reference_streaming_session(engines, name):
+@pytest.mark.parametrize("name,kind", [("online", "tiny"), ("online", "tiny32"), ("online_prompt", "tiny")])
+def test_streaming_matches_the_reference_streaming_session(engines, name, kind):
     g, meta = _golden(name)
-    engine = engines("tiny")
+    engine = engines(kind)
     waveform = g["waveform"]
     n = engine.frame_samples
     frames = -(-waveform.size // n)

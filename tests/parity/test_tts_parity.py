@@ -33,8 +33,10 @@ def golden(name: str):
 
 
 def engine_for(request, fixture: str) -> TTSEngine:
+    """`fixture` names a checkpoint fixture; a `:float32` suffix loads it with float32 weight copies."""
     if fixture not in _engines:
-        _engines[fixture] = TTSEngine.load(request.getfixturevalue(fixture))
+        name, _, mode = fixture.partition(":")
+        _engines[fixture] = TTSEngine.load(request.getfixturevalue(name), float32_weights=mode == "float32")
     return _engines[fixture]
 
 
@@ -67,11 +69,12 @@ def test_offline_codes_equal_the_reference(request, name):
     assert (raw != clean).any()  # the control-code replacement path ran
 
 
-@pytest.mark.parametrize("name", ONLINE)
-def test_online_codes_equal_the_reference(request, name):
+@pytest.mark.parametrize("name,fixture", [("online", "tiny_checkpoint"), ("online", "tiny_checkpoint:float32"),
+                                          ("online_prompt", "tiny_checkpoint")])
+def test_online_codes_equal_the_reference(request, name, fixture):
     data, meta = golden(name)
     prompt_codes = golden("offline")[0]["prompt_codes"]
-    engine = engine_for(request, "tiny_checkpoint")
+    engine = engine_for(request, fixture)
     frames = run_timeline(engine, meta["seed"], prompt_codes, meta["prompt_frames"], data["text_tokens"])
     silence = np.array(engine.silence_codes)
     clean = np.stack([silence if f is None else f[1] for f in frames])
