@@ -7,6 +7,7 @@ import argparse
 from protos.voicechat.v1 import speech_pb2_grpc
 from services.common.cli import ServiceSpec, exit_process, run_service
 from services.common.engine_thread import EngineThread
+from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS
 from services.tts.service import SERVICE_NAME, SpeechServicer
 
 
@@ -16,15 +17,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep float32 copies of the weights whose matmuls run in float32 (faster frames, identical outputs, "
              "twice those weights' memory)",
     )
+    parser.add_argument(
+        "--max-prefix-steps", type=int, default=DEFAULT_MAX_PREFIX_STEPS,
+        help="most system-prompt prefix steps a session may ask for at open (one per prompt position after the "
+             f"first; default {DEFAULT_MAX_PREFIX_STEPS})",
+    )
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
+    if args.max_prefix_steps < 0:
+        raise ValueError(f"--max-prefix-steps {args.max_prefix_steps}: must not be negative")
     engine_thread = EngineThread("tts-engine")
     servicer = SpeechServicer(engine_thread)
     return ServiceSpec(
         registrations=[(speech_pb2_grpc.add_SpeechServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(args.model, args.float32_weights),
+        load=lambda: servicer.load(args.model, args.float32_weights, args.max_prefix_steps),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )

@@ -19,12 +19,16 @@ from tokenizers import Tokenizer
 
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
+from services.common.errors import LimitExceeded
 from services.common.layers import widen
 from services.tts.backbone import FullCache, RingCache
 from services.tts.model import EarTts
 from services.tts.rng import SessionKey
 from services.tts.subword import CharTable
 
+# The most pad steps a session may run at open for a system-prompt prefix (one per prompt position after the
+# first): the language service's default prompt limit of 1024 tokens needs 1023. Each is a full model step.
+DEFAULT_MAX_PREFIX_STEPS = 1024
 TTS_PREFIXES = ("tts_model.tts_model.", "tts_model.audio_prompt_latents.", "tts_model.codec_silence_tokens",
                 "tts_model._control_codes")
 
@@ -45,9 +49,11 @@ class TTSEngine:
     prompt_latent: mx.array  # (1, P, D)
     silence_codes: mx.array  # (Q,) int32
     control_codes: mx.array  # (3,) int32
+    max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS
 
     @classmethod
-    def load(cls, model_dir: str | Path, float32_weights: bool = False) -> TTSEngine:
+    def load(cls, model_dir: str | Path, float32_weights: bool = False,
+             max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> TTSEngine:
         checkpoint = Checkpoint(model_dir)
         try:
             config = checkpoint.config
@@ -71,6 +77,7 @@ class TTSEngine:
                 prompt_latent=latent,
                 silence_codes=weights.get("tts_model.codec_silence_tokens", (tts.num_quantizers,)).astype(mx.int32),
                 control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
+                max_prefix_steps=max_prefix_steps,
             )
             mx.eval(weights.arrays, model.code_table, model.code_norms, wide)
             return engine
@@ -116,6 +123,9 @@ class TTSSession:
                              f"[{codes.min()}, {codes.max()}]")
         if prefix_steps < 0:
             raise ValueError(f"prefix_steps must be >= 0, got {prefix_steps}")
+        if prefix_steps > engine.max_prefix_steps:
+            raise LimitExceeded(f"prefix_steps {prefix_steps} exceeds this service's limit of "
+                                f"{engine.max_prefix_steps} (--max-prefix-steps)")
         self.engine = engine
         self.rng = SessionKey(seed)
         self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches()

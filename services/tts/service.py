@@ -20,7 +20,7 @@ from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
-from services.tts.engine import TTSEngine
+from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS, TTSEngine
 
 SERVICE_NAME = full_service_name(speech_pb2, "SpeechService")
 
@@ -34,8 +34,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self.metrics = metrics or Metrics("tts")
         self.metrics.track_sessions(lambda: self.live_sessions)
 
-    async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
-        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights)
+    async def load(self, model_dir: str | Path, float32_weights: bool = False,
+                   max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
+        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights, max_prefix_steps)
         self.metrics.frame_budget_s = self.engine.config.frame_duration
 
     async def Describe(

@@ -157,6 +157,34 @@ def test_bad_input_is_invalid_argument(engine_and_goldens):
     asyncio.run(main())
 
 
+def test_prefix_steps_past_the_limit_are_refused_before_any_work(engine_and_goldens, tiny_checkpoint):
+    """A huge prefix_steps used to run that many model steps at open (years for 2**31 - 1), holding the engine
+    thread and so every other session; it is RESOURCE_EXHAUSTED at once, and the limit is a flag."""
+    engine_thread, engine, goldens = engine_and_goldens
+    codes = goldens["offline"]["prompt_codes"]
+
+    async def main():
+        async with tts_server(engine_thread, engine) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Stream(iter([open_request(0, codes, prefix_steps=2**31 - 1)]), timeout=10):
+                    pass
+            return err.value
+
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+    assert "prefix_steps 2147483647 exceeds this service's limit of 1024" in err.details()
+
+    with service_process("tts", tiny_checkpoint, "--max-prefix-steps", "2") as (address, _):
+        with grpc.insecure_channel(address) as channel:
+            stub = speech_pb2_grpc.SpeechServiceStub(channel)
+            opened = list(stub.Stream(iter([open_request(0, codes, prefix_steps=2)]), timeout=30))
+            assert [r.WhichOneof("payload") for r in opened] == ["opened"]
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Stream(iter([open_request(0, codes, prefix_steps=3)]), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit of 2 (--max-prefix-steps)" in refused.value.details()
+
+
 def test_main_serves_health_and_stops_on_sigterm(tiny_checkpoint):
     async def check(address):
         async with grpc.aio.insecure_channel(address) as channel:
