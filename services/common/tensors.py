@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 Tensor = tensor_pb2.Tensor
+MLX_MAX_DIM = 2**31 - 1  # MLX array dimensions are 32-bit signed integers
 
 # Wire dtype -> numpy storage dtype (little-endian). bfloat16 is stored as its uint16 bit patterns.
 _STORAGE: dict[int, np.dtype] = {
@@ -157,10 +158,14 @@ def to_proto(array: mx.array | np.ndarray) -> Tensor:
 
 
 def from_proto(tensor: Tensor) -> mx.array:
-    """A Tensor as an MLX array of the same dtype and bits."""
+    """A Tensor as an MLX array of the same dtype and bits; ValueError for a dimension MLX cannot hold (an
+    empty tensor's payload agrees with any other dimension)."""
     import mlx.core as mx
 
     bits = _payload(tensor)
+    if any(d > MLX_MAX_DIM for d in bits.shape):
+        raise ValueError(f"tensor shape {list(bits.shape)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
+                         "array can hold")
     if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
         return mx.array(bits).view(mx.bfloat16)
     return mx.array(bits)

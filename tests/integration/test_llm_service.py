@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.voicechat.v1 import language_pb2, language_pb2_grpc
+from protos.voicechat.v1 import language_pb2, language_pb2_grpc, tensor_pb2
 from services.common.server import start_server
 from services.common.tensors import from_proto_np, to_proto, to_proto_np
 from services.llm.engine import LanguageEngine
@@ -195,6 +195,26 @@ def test_bad_input_is_invalid_argument_with_a_clear_message(tiny_checkpoint, emb
             assert await live_sessions(servicer) == 0
 
     asyncio.run(main())
+
+
+def test_an_empty_embedding_with_a_dimension_past_mlx_limits_is_invalid_argument(tiny_checkpoint):
+    """Shape [0, 2**31] has no elements, so its empty payload agrees with it; MLX dimensions are 32-bit, and the
+    step used to fail inside MLX with OverflowError, answered INTERNAL."""
+    empty = tensor_pb2.Tensor(shape=[0, 2**31], dtype=tensor_pb2.DTYPE_FLOAT32)
+    step = language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(frame_index=0, audio_embedding=empty))
+
+    async def main():
+        async with llm_server(tiny_checkpoint) as (stub, servicer, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Stream(iter([open_request(), step]), timeout=30):
+                    pass
+            assert await live_sessions(servicer) == 0
+            return err.value
+
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details() == ("tensor shape [0, 2147483648] has a dimension above 2147483647, the most an MLX array "
+                             "can hold")
 
 
 def test_python_m_services_llm_serves_and_stops_on_sigterm(tiny_checkpoint, embeds):
