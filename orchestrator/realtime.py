@@ -623,6 +623,8 @@ def _parse(frame: str | bytes) -> dict | str:
         message = json.loads(frame)
     except ValueError:
         return "the frame is not valid JSON; every client message is a JSON object"
+    except RecursionError:  # nesting deeper than the interpreter's recursion limit
+        return "the frame's JSON nests too deeply to parse; every client message is a JSON object"
     if not isinstance(message, dict):
         return f"a client message must be a JSON object, got {type(message).__name__}"
     return message

@@ -211,6 +211,25 @@ def test_frames_that_are_not_json_objects_are_invalid_request_and_the_loop_goes_
     assert pong["type"] == "session.pong"
 
 
+@pytest.mark.parametrize("frame", ["[" * 50_000 + "]" * 50_000, '{"a":' * 50_000 + "0" + "}" * 50_000])
+def test_deeply_nested_json_is_invalid_request_and_the_loop_goes_on(frame):
+    """json.loads raises RecursionError (not a ValueError) past the recursion limit; it used to end the
+    connection with 1011 instead of an error event."""
+    async def scenario(server):
+        client = await Client.open(server.url)
+        await client.configure()
+        await client.send(frame)
+        error = await client.recv()
+        await client.send({"type": "session.ping"})
+        return error, await client.recv()
+
+    error, pong = serve(scenario)
+    assert error["type"] == "error" and error["error"] == {
+        "code": "invalid_request",
+        "message": "the frame's JSON nests too deeply to parse; every client message is a JSON object"}
+    assert pong["type"] == "session.pong"
+
+
 # -------------------------------------------------------------------------- session_initialization_failed
 
 
