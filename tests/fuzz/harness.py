@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -20,7 +21,8 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.realtime import RealtimeLimits
 from protos.voicechat.v1 import (
@@ -42,6 +44,7 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
                 phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 FUZZ_SCALE = float(os.environ.get("VOICECHAT_FUZZ_SCALE", "1"))
+T = TypeVar("T")
 DEADLINE_S = 10.0  # every fuzzed call; running into it is a hang
 HEALTH_DEADLINE_S = 5.0
 # The network service (its `python -m services.NAME`) that serves each proto module's services.
@@ -72,9 +75,30 @@ UNPARSEABLE = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 PARSE_ERROR = "Error parsing message"
 
 
-def examples(count: int) -> settings:
-    """The fuzz settings with `count` examples (times VOICECHAT_FUZZ_SCALE)."""
-    return settings(FUZZ, max_examples=max(1, round(count * FUZZ_SCALE)))
+def fuzz(strategy: st.SearchStrategy[T], count: int, check: Callable[[T], None]) -> None:
+    """Run `check` on `count` examples of `strategy` (times VOICECHAT_FUZZ_SCALE).
+
+    A failure is reported as it first happened: Hypothesis replays a failing example before it reports it, and
+    against a process the failure left damaged (a slot never freed, a busy engine thread) the replay can fail
+    differently, which would hide the cause."""
+    first: list[str] = []
+
+    @settings(FUZZ, max_examples=max(1, round(count * FUZZ_SCALE)))
+    @given(strategy)
+    def run(example: T) -> None:
+        try:
+            check(example)
+        except Exception as exc:
+            if not first:
+                first.append(f"{type(exc).__name__}: {exc}\non the example {example!r}")
+            raise
+
+    try:
+        run()
+    except Exception as exc:
+        if first:
+            raise AssertionError(f"the first failing example:\n{first[0]}") from exc
+        raise
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import Message
-from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzz.harness import (
@@ -32,7 +31,7 @@ from tests.fuzz.harness import (
     StreamTemplate,
     call,
     check_outcome,
-    examples,
+    fuzz,
     network_rpcs,
     parses,
     payload_kind,
@@ -153,9 +152,7 @@ def test_every_rpc_is_fuzzed():
 def test_well_typed_but_malformed_requests(rpc, scenario, network, facts, reference):
     service = network[rpc.owner]
 
-    @examples(60)
-    @given(case=typed_case(rpc, facts, scenario))
-    def fuzz(case):
+    def check(case: Case) -> None:
         outcome = call(service.channel, rpc, case.requests)
         check_outcome(outcome)
         if case.verdict == OK:
@@ -165,7 +162,7 @@ def test_well_typed_but_malformed_requests(rpc, scenario, network, facts, refere
             assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, f"invalid requests were not rejected: {outcome}"
         service.assert_alive()
 
-    fuzz()
+    fuzz(typed_case(rpc, facts, scenario), 60, check)
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
@@ -181,14 +178,12 @@ def test_random_bytes_as_request_bodies(rpc, network, facts, reference):
         valid = []
     count = (1, 4) if rpc.streaming else (1, 1)
 
-    @examples(25)
-    @given(bodies=st.lists(raw_bodies(valid), min_size=count[0], max_size=count[1]))
-    def fuzz(bodies):
+    def check(bodies: list[bytes]) -> None:
         outcome = call(service.channel, rpc, bodies, raw=True)
         check_outcome(outcome, unparseable=not all(parses(rpc, body) for body in bodies))
         service.assert_alive()
 
-    fuzz()
+    fuzz(st.lists(raw_bodies(valid), min_size=count[0], max_size=count[1]), 25, check)
 
 
 def test_after_the_fuzzing_every_rpc_answers_as_before(network, facts, reference):
