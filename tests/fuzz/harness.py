@@ -2,7 +2,8 @@
 deadline (typed or raw bytes), the liveness check, and a valid request (or stream) per RPC that the strategies
 mutate.
 
-An RPC without a template in TEMPLATES is still fuzzed, with random messages of its request type only.
+An RPC without a template in UNARY_TEMPLATES or STREAM_TEMPLATES is still fuzzed, with random messages of its
+request type only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tests.fuzz.strategies import message_class
 # failing example is reported as it was.
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False, report_multiple_bugs=False,
                 phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+                suppress_health_check=[HealthCheck.too_slow])
 FUZZ_SCALE = float(os.environ.get("VOICECHAT_FUZZ_SCALE", "1"))
 T = TypeVar("T")
 DEADLINE_S = 10.0  # every fuzzed call; running into it is a hang

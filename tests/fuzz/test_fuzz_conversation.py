@@ -196,7 +196,7 @@ def test_well_typed_but_malformed_conversations(scenario, orchestrator, network,
         check_events(case, outcome.responses)
         check_stack(orchestrator, network)
 
-    fuzz(converse_case(scenario), 25, check)
+    fuzz(converse_case(scenario), 40, check)
 
 
 def test_random_bytes_as_conversation_messages(orchestrator, network, first_conversation):
@@ -208,7 +208,7 @@ def test_random_bytes_as_conversation_messages(orchestrator, network, first_conv
         check_outcome(outcome, unparseable=not all(parses(CONVERSE, body) for body in bodies))
         check_stack(orchestrator, network)
 
-    fuzz(st.lists(raw_bodies(valid), min_size=1, max_size=4), 20, check)
+    fuzz(st.lists(raw_bodies(valid), min_size=1, max_size=4), 25, check)
 
 
 def test_after_the_fuzzing_a_conversation_answers_as_the_first(orchestrator, network, facts, reference,

@@ -202,7 +202,7 @@ def _valid_audio(message: dict) -> bool:
 
 def expect(frame: str | bytes, configured: bool) -> Expect:
     """docs/protocol.md, message by message."""
-    if len(frame) > MAX_BYTES:
+    if len(frame.encode() if isinstance(frame, str) else frame) > MAX_BYTES:
         return Expect(close=1009)
     message = _parse(frame)
     if message is None:
@@ -283,14 +283,14 @@ def exchange(ws: ClientConnection, frame: str | bytes, pongs: int) -> tuple[list
                 return events[:-1], None
 
 
-def converse(url: str, frames_: list[str | bytes]) -> list[tuple[Expect, list[dict], int | None]]:
+def converse(url: str, messages: list[str | bytes]) -> list[tuple[Expect, list[dict], int | None]]:
     """Play one connection; each message's expectation, answer and close code (the last may be a close)."""
     answers = []
     with connect(url, open_timeout=DEADLINE_S, close_timeout=5, compression=None, max_size=None) as ws:
         created = json.loads(ws.recv(timeout=DEADLINE_S))
         assert created["type"] == "session.created", created
         configured = False
-        for frame in frames_:
+        for frame in messages:
             want = expect(frame, configured)
             pongs = 2 if isinstance(frame, str) and (_parse(frame) or {}).get("type") == "session.ping" else 1
             events, close = exchange(ws, frame, pongs)
@@ -357,7 +357,7 @@ def test_random_messages_on_the_socket(scenario, orchestrator, network, first_se
         converse(orchestrator.realtime.url, messages)
         check_stack(orchestrator, network)
 
-    fuzz(SCENARIOS[scenario], 25, check)
+    fuzz(SCENARIOS[scenario], 40, check)
 
 
 def test_after_the_fuzzing_a_session_answers_as_the_first(orchestrator, network, facts, reference, first_session):

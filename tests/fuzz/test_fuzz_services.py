@@ -162,7 +162,7 @@ def test_well_typed_but_malformed_requests(rpc, scenario, network, facts, refere
             assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, f"invalid requests were not rejected: {outcome}"
         service.assert_alive()
 
-    fuzz(typed_case(rpc, facts, scenario), 60, check)
+    fuzz(typed_case(rpc, facts, scenario), 85, check)
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
@@ -183,7 +183,7 @@ def test_random_bytes_as_request_bodies(rpc, network, facts, reference):
         check_outcome(outcome, unparseable=not all(parses(rpc, body) for body in bodies))
         service.assert_alive()
 
-    fuzz(st.lists(raw_bodies(valid), min_size=count[0], max_size=count[1]), 25, check)
+    fuzz(st.lists(raw_bodies(valid), min_size=count[0], max_size=count[1]), 30, check)
 
 
 def test_after_the_fuzzing_every_rpc_answers_as_before(network, facts, reference):
