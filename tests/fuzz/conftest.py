@@ -1,12 +1,12 @@
 """Fixtures of the fuzz suite: the four network services as real processes once per module (with the small limits
-of SERVICE_FLAGS), the facts a valid request needs, each RPC's reference answers taken before any fuzzing, and the
-orchestrator's conversation service and realtime WebSocket in a background event loop of this process, over
-those four processes (so its live-session counts can be read)."""
+of SERVICE_FLAGS, and a metrics port each, which shows their open sessions), the facts a valid request needs,
+each RPC's reference answers taken before any fuzzing, and the orchestrator's conversation service and realtime
+WebSocket in a background event loop of this process, over those four processes (so its live-session counts can
+be read directly)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from orchestrator.conversation import SERVICE_NAME, ConversationServicer, registrations
+from orchestrator.launcher import spawn_service, stop, wait_ready
 from orchestrator.realtime import OnlineSessionFactory, RealtimeServer
 from orchestrator.stream_clients import grpc_stream_clients
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, speech_pb2, speech_pb2_grpc
 from services.common.config import VoiceChatConfig
 from services.common.server import RunningServer, start_server
-from tests.conftest import service_process
 from tests.fuzz.harness import (
     CONVERSATION_MAX_SECONDS,
     NETWORK_PROTOS,
@@ -29,6 +29,7 @@ from tests.fuzz.harness import (
     Facts,
     ServiceHandle,
     reference_answers,
+    wait_until,
 )
 
 HOST = "127.0.0.1"
@@ -36,14 +37,22 @@ HOST = "127.0.0.1"
 
 @pytest.fixture(scope="module")
 def network(tiny_checkpoint) -> Iterator[dict[str, ServiceHandle]]:
-    """perception, llm, tts and codec as `python -m services.NAME` processes, started once for the module."""
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for name in NETWORK_PROTOS:
-            address, process = stack.enter_context(service_process(name, tiny_checkpoint, *SERVICE_FLAGS[name]))
-            channel = stack.enter_context(grpc.insecure_channel(address))
-            handles[name] = ServiceHandle(name, address, process, channel)
+    """perception, llm, tts and codec as `python -m services.NAME` processes with a metrics port, started once for
+    the module (as `service_process` starts one, but together, and keeping the metrics URL each announces)."""
+    children = [spawn_service(name, tiny_checkpoint, [*SERVICE_FLAGS[name], "--metrics-port", "0"])
+                for name in NETWORK_PROTOS]
+    handles: dict[str, ServiceHandle] = {}
+    try:
+        wait_ready(children, timeout_s=60)
+        for child in children:
+            wait_until(lambda child=child: bool(child.metrics_url), 10, f"the {child.name} service's metrics line")
+            handles[child.name] = ServiceHandle(child.name, child.address, child.process,
+                                                grpc.insecure_channel(child.address), child.metrics_url)
         yield handles
+    finally:
+        for handle in handles.values():
+            handle.channel.close()
+        stop(children)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.realtime import RealtimeLimits
 from protos.voicechat.v1 import (
@@ -205,17 +207,43 @@ def serving_status(channel: grpc.Channel, service: str = "") -> int:
 
 @dataclass
 class ServiceHandle:
-    """A running service process and a channel to it."""
+    """A running service process, a channel to it and its /metrics URL."""
 
     name: str
     address: str
     process: subprocess.Popen
     channel: grpc.Channel
+    metrics_url: str
 
     def assert_alive(self) -> None:
         """The process runs and its health says SERVING."""
         assert self.process.poll() is None, f"the {self.name} service exited with code {self.process.returncode}"
         assert serving_status(self.channel) == health_pb2.HealthCheckResponse.SERVING, f"{self.name} not SERVING"
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """The process's /metrics page as {(sample name, labels): value}."""
+        with urllib.request.urlopen(self.metrics_url, timeout=HEALTH_DEADLINE_S) as response:
+            text = response.read().decode()
+        return {(sample.name, frozenset(sample.labels.items())): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
+
+    def counts(self) -> tuple[int, int]:
+        """(open streaming sessions, INTERNAL statuses answered so far): the servicer's live_sessions as
+        voicechat_active_sessions shows it, and voicechat_errors_total{code="INTERNAL"}."""
+        page = self.metrics()
+        sessions = page[("voicechat_active_sessions", frozenset({("service", self.name)}))]
+        internal = page.get(("voicechat_errors_total", frozenset({("service", self.name), ("code", "INTERNAL")})), 0)
+        return int(sessions), int(internal)
+
+    def assert_idle(self, timeout_s: float = 10.0) -> int:
+        """Alive, and every session closed (a stream's session is freed just after its call ends); returns the
+        INTERNAL count."""
+        self.assert_alive()
+        deadline = time.monotonic() + timeout_s
+        while (counts := self.counts())[0]:
+            assert time.monotonic() < deadline, f"{counts[0]} sessions of the {self.name} service still open"
+            time.sleep(0.01)
+        return counts[1]
 
 
 # ---------------------------------------------------------------------------------------------- templates

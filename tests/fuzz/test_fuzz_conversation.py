@@ -4,9 +4,10 @@ running as real processes.
 Converse reports problems in-band, as Error events; so besides the status rules of the other services, every
 response must be a known event, every Error must carry a code and a message, a stream whose first message is not
 Configure must be answered INVALID_REQUEST, and a valid conversation must end with Done and the right frame count.
-After each example the conversation's slot is free again (its live-session count is back to 0: every service
-session of it was closed), the orchestrator's server and the four processes still serve, and at the end a fresh
-conversation produces exactly the events the first one did.
+After each example the conversation's slot is free again (its live-session count is back to 0), every service
+process has closed the conversation's session (its open-session count, from its /metrics, is back to 0), and the
+orchestrator's server and the four processes still serve. At the end a fresh conversation produces exactly the
+events the first one did, and no service ever answered the orchestrator INTERNAL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 from hypothesis import strategies as st
 
 from orchestrator.conversation import SERVICE_NAME
@@ -157,12 +159,12 @@ def check_events(case: Case, responses: list) -> None:
 
 
 def check_stack(orchestrator, network) -> None:
-    """The conversation freed its slot (and so its service sessions); every server still serves."""
+    """The conversation freed its slot and closed its session on every service; every server still serves."""
     wait_until(lambda: orchestrator.conversation.live_sessions == 0, 10, "the conversation slot's release")
     assert orchestrator.thread.is_alive()
-    assert serving_status(orchestrator.channel, SERVICE_NAME) == 1  # SERVING
+    assert serving_status(orchestrator.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     for service in network.values():
-        service.assert_alive()
+        service.assert_idle()
 
 
 def test_the_fuzzed_rpcs_are_the_protos():
@@ -213,9 +215,10 @@ def test_random_bytes_as_conversation_messages(orchestrator, network, first_conv
 
 def test_after_the_fuzzing_a_conversation_answers_as_the_first(orchestrator, network, facts, reference,
                                                               first_conversation):
-    """Runs last in this module: no slot is held, a fresh conversation's events equal the first one's and the
-    network services answer as they did before the fuzzing."""
+    """Runs last in this module: no slot is held, a fresh conversation's events equal the first one's, the network
+    services answer as they did before the fuzzing, and none of them ever answered the orchestrator INTERNAL."""
     assert orchestrator.conversation.live_sessions == 0
     assert reference_conversation(orchestrator) == first_conversation
     assert reference_answers(network, facts) == reference
     check_stack(orchestrator, network)
+    assert {name: service.counts() for name, service in network.items()} == dict.fromkeys(network, (0, 0))

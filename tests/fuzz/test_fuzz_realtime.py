@@ -7,8 +7,8 @@ or broken audio and rates; commits. After each message the client sends
 `session.ping`, so the pong marks where that message's answer ends. Each answer is checked against the protocol:
 a bad message gets its `error` event (the code the protocol names), a good one its normal events; only a commit,
 a cancel and an oversized message end the connection (1000, 1000, 1009). After each example the session slot is
-free again (its service sessions closed) and every server still serves; at the end a fresh session answers
-exactly as the first one did.
+free again, every service process has closed the session's stream (its open-session count, from its /metrics, is
+back to 0) and every server still serves; at the end a fresh session answers exactly as the first one did.
 """
 
 from __future__ import annotations
@@ -302,10 +302,11 @@ def converse(url: str, messages: list[str | bytes]) -> list[tuple[Expect, list[d
 
 
 def check_stack(orchestrator, network) -> None:
+    """The connection freed its slot and closed its session on every service; every server still serves."""
     wait_until(lambda: orchestrator.realtime.live_sessions == 0, 10, "the realtime slot's release")
     assert orchestrator.thread.is_alive()
     for service in network.values():
-        service.assert_alive()
+        service.assert_idle()
 
 
 def _normal(events: list[dict]) -> list[dict]:
@@ -361,9 +362,10 @@ def test_random_messages_on_the_socket(scenario, orchestrator, network, first_se
 
 
 def test_after_the_fuzzing_a_session_answers_as_the_first(orchestrator, network, facts, reference, first_session):
-    """Runs last in this module: no slot is held, a fresh session's events equal the first one's and the network
-    services answer as they did before the fuzzing."""
+    """Runs last in this module: no slot is held, a fresh session's events equal the first one's, the network
+    services answer as they did before the fuzzing, and none of them ever answered the gateway INTERNAL."""
     assert orchestrator.realtime.live_sessions == 0
     assert reference_session(orchestrator.realtime.url) == first_session
     assert reference_answers(network, facts) == reference
     check_stack(orchestrator, network)
+    assert {name: service.counts() for name, service in network.items()} == dict.fromkeys(network, (0, 0))

@@ -4,11 +4,12 @@ Each example is one call with a deadline: well-typed requests with broken fields
 repeated or mutated open, out-of-order frame indices, broken tensors), or random bytes as the request bodies. The
 call must end with a normal answer or an allowed status (INVALID_ARGUMENT and friends; INTERNAL or UNKNOWN only
 for a body that does not parse; INVALID_ARGUMENT where the case knows a message is out of order; OK with one
-answer per message for a valid session), and afterwards the process must still run and say SERVING.
+answer per message for a valid session). Afterwards the process must still run and say SERVING, its open sessions
+(its servicer's live_sessions, read from the process's /metrics) must be back to zero, and a well-typed example
+must not have added to its INTERNAL error count.
 
-The services' live-session counters are not observable from outside their processes. What is: at the end of the
-module every templated RPC must answer exactly as it did before the fuzzing, so a fresh session still opens and
-no state left by the fuzzed sessions (shared between sessions, or cached) changes what it computes.
+At the end of the module every templated RPC must answer exactly as it did before the fuzzing: no state left by
+the fuzzed sessions (shared between sessions, or cached) changes what a fresh session computes.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def test_every_rpc_is_fuzzed():
 def test_well_typed_but_malformed_requests(rpc, scenario, network, facts, reference):
     service = network[rpc.owner]
 
+    internal = service.assert_idle()  # INTERNAL statuses so far; a well-typed example adds none
+
     def check(case: Case) -> None:
         outcome = call(service.channel, rpc, case.requests)
         check_outcome(outcome)
@@ -160,7 +163,7 @@ def test_well_typed_but_malformed_requests(rpc, scenario, network, facts, refere
             assert len(outcome.responses) == case.responses, f"one response per message: {outcome}"
         elif case.verdict == INVALID:
             assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, f"invalid requests were not rejected: {outcome}"
-        service.assert_alive()
+        assert service.assert_idle() == internal, "the service counted an INTERNAL error"
 
     fuzz(typed_case(rpc, facts, scenario), 85, check)
 
@@ -181,14 +184,14 @@ def test_random_bytes_as_request_bodies(rpc, network, facts, reference):
     def check(bodies: list[bytes]) -> None:
         outcome = call(service.channel, rpc, bodies, raw=True)
         check_outcome(outcome, unparseable=not all(parses(rpc, body) for body in bodies))
-        service.assert_alive()
+        service.assert_idle()
 
     fuzz(st.lists(raw_bodies(valid), min_size=count[0], max_size=count[1]), 30, check)
 
 
 def test_after_the_fuzzing_every_rpc_answers_as_before(network, facts, reference):
-    """Runs last in this module: nothing the fuzzing did (sessions left open, state shared between sessions,
-    caches) changes what a fresh session or call answers."""
+    """Runs last in this module: no session is open anywhere, and nothing the fuzzing left (state shared between
+    sessions, caches) changes what a fresh session or call answers."""
     for service in network.values():
-        service.assert_alive()
+        service.assert_idle()
     assert reference_answers(network, facts) == reference
