@@ -60,15 +60,25 @@ class Deadlines:
 
 
 class ServiceError(RuntimeError):
-    """A service that failed or went away, named in the message."""
+    """A service that failed or went away, named in the message; `code` is the gRPC status name when one came."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def refused_input(self) -> bool:
+        """The service refused what it was sent (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): it is up and well."""
+        return self.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
 
 
 def _fail(name: str, address: str, exc: grpc.RpcError) -> ServiceError:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return ServiceError(f"the {name} service at {address} stopped responding ({code.name}: {detail})")
-    return ServiceError(f"the {name} service at {address} failed: {code.name if code else 'error'}: {detail}")
+        return ServiceError(f"the {name} service at {address} stopped responding ({code.name}: {detail})", code.name)
+    return ServiceError(f"the {name} service at {address} failed: {code.name if code else 'error'}: {detail}",
+                        code.name if code else None)
 
 
 def service_config(name: str) -> str:

@@ -123,7 +123,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self._ids = itertools.count(1)
 
     def _seconds(self, requested: float) -> float:
-        if requested < 0:
+        if not requested >= 0:  # NaN too
             raise ValueError(f"Configure.max_streaming_seconds {requested} must be >= 0 (0 = the server's limit)")
         return self.max_streaming_seconds if requested == 0 else min(requested, self.max_streaming_seconds)
 
@@ -182,8 +182,13 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                         system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
                         pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary)
                 except ServiceError as exc:
-                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
-                    return
+                    if not exc.refused_input:  # a service down or failing: this conversation cannot go on
+                        yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
+                        return
+                    self.live_sessions -= 1  # e.g. a prompt past the language service's limit: Configure again
+                    slot = False
+                    yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
+                    continue
                 except ValueError as exc:
                     self.live_sessions -= 1
                     slot = False
@@ -235,7 +240,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
             async for request in requests:
                 kind = request.WhichOneof("message")
                 if ended:
-                    out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, f"`{kind}` after Flush or Cancel: the session is "
+                    what = kind or "an empty message"
+                    out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, f"`{what}` after Flush or Cancel: the session is "
                                     "closed; open a new Converse stream"))
                     continue
                 try:

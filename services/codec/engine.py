@@ -44,6 +44,9 @@ def _check_codes(codes: np.ndarray, shape_name: str, num_quantizers: int, codebo
     return codes.astype(np.int32)
 
 
+PROMPT_CODES_KEPT = 4  # warm-up code arrays kept per process, least recently used dropped first
+
+
 class CodecEngine:
     """One loaded codec serving whole-sequence encode/decode and any number of decode streams."""
 
@@ -116,13 +119,17 @@ class CodecEngine:
         the mask value (codebook_size) and drop the last frame -> (frames, Q) int32."""
         if frames < 2:
             raise ValueError(f"prompt frames must be at least 2, got {frames}")
-        if frames not in self._prompt_codes:
+        codes = self._prompt_codes.pop(frames, None)
+        if codes is None:
             self._check_frames(frames + 1)
             silence = self.codec.encode(mx.zeros((1, (frames + 1) * self.samples_per_frame), dtype=mx.float32))
             codes = np.array(silence[0])
             codes[[0, frames - 1]] = self.codebook_size
-            self._prompt_codes[frames] = codes[:frames]
-        return self._prompt_codes[frames].copy()
+            codes = codes[:frames]
+        self._prompt_codes[frames] = codes  # most recently used last; sessions ask for one or two lengths
+        while len(self._prompt_codes) > PROMPT_CODES_KEPT:
+            self._prompt_codes.pop(next(iter(self._prompt_codes)))
+        return codes.copy()
 
     def open_stream(self) -> DecodeStream:
         """A fresh causal decode stream (its state is freed with the object)."""

@@ -290,3 +290,14 @@ def realtime_hello(url: str) -> tuple[str, str]:
         created = json.loads(socket.recv(timeout=10))["type"]
         socket.send(json.dumps({"type": "session.ping"}))
         return created, json.loads(socket.recv(timeout=10))["type"]
+
+
+def test_a_prompt_the_language_service_refuses_and_a_nan_limit_can_be_configured_again(stack, golden):
+    wave = golden[0]["waveform"][:N]
+    got = converse(stack.address, [configure(system_prompt="hello there " * 2000),
+                                   configure(max_streaming_seconds=float("nan")), configure(), *chunks(wave), flush()])
+    assert got[0][:2] == ("error", "ERROR_CODE_SESSION_INITIALIZATION_FAILED") and "the llm service" in got[0][2]
+    assert got[1][:2] == ("error", "ERROR_CODE_SESSION_INITIALIZATION_FAILED")
+    assert "Configure.max_streaming_seconds nan" in got[1][2]
+    assert got[2] == ("ready",) and got[-1] == ("done", 1)
+    assert stack.wait_idle() == {name: 0 for name in stack.live()}

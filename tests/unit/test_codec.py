@@ -268,3 +268,16 @@ def test_limits(tiny_checkpoint):
         small.decode(np.zeros((3, 31), np.int32))
     with pytest.raises(LimitExceeded, match="limit of 2"):
         small.encode(np.zeros(3 * 1764, np.float32))
+
+
+def test_prompt_codes_keep_only_a_few_lengths(engine):
+    from services.codec.engine import PROMPT_CODES_KEPT
+
+    first = engine.encode_prompt_codes(3)
+    for frames in range(4, 4 + PROMPT_CODES_KEPT + 2):
+        engine.encode_prompt_codes(frames)
+    assert len(engine._prompt_codes) == PROMPT_CODES_KEPT and 3 not in engine._prompt_codes
+    again = engine.encode_prompt_codes(3)  # computed anew, the same codes
+    np.testing.assert_array_equal(again, first)
+    again[0, 0] = -1  # callers get copies
+    np.testing.assert_array_equal(engine.encode_prompt_codes(3), first)
