@@ -4,7 +4,8 @@ Every server gets the same furniture: `grpc.health.v1` (NOT_SERVING until the mo
 for "" and every service name), reflection, explicit message-size limits, graceful shutdown on SIGTERM/SIGINT,
 and one interceptor that maps domain exceptions to status codes, so servicer methods carry no try/except:
 
-    ValueError -> INVALID_ARGUMENT, LimitExceeded -> RESOURCE_EXHAUSTED, ServiceUnavailable -> UNAVAILABLE,
+    ValueError and an unparseable stream message -> INVALID_ARGUMENT, LimitExceeded -> RESOURCE_EXHAUSTED,
+    ServiceUnavailable -> UNAVAILABLE,
     NotImplementedError -> UNIMPLEMENTED, anything else -> INTERNAL (logged with its traceback).
 
 Given a Metrics, the interceptor counts each mapped error in voicechat_errors_total by status code name.
@@ -28,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -54,6 +56,8 @@ def full_service_name(pb2: ModuleType, service: str) -> str:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details a servicer exception becomes."""
     message = str(exc) or type(exc).__name__
+    if isinstance(exc, DecodeError):  # a stream's next message: bytes that are not the request type
+        return grpc.StatusCode.INVALID_ARGUMENT, f"a request message does not parse: {message}"
     if isinstance(exc, LimitExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, message
     if isinstance(exc, ServiceUnavailable):

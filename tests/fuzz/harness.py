@@ -71,10 +71,10 @@ REFERENCE_FRAMES = 3
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.OUT_OF_RANGE}
 # ... and for a body that does not parse: grpc.aio answers UNKNOWN when a unary request fails to parse (before
-# any handler runs), and a stream's request iterator raises the parse error into the servicer, which the shared
-# interceptor maps to INTERNAL. Either way the details carry protobuf's parse error. For a message that parses,
-# INTERNAL or UNKNOWN is a bug.
-UNPARSEABLE = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# any handler runs), with protobuf's parse error in the details; a stream's request iterator raises the parse
+# error into the servicer, which the shared interceptor answers INVALID_ARGUMENT. For a message that parses,
+# UNKNOWN is a bug, and INTERNAL always is.
+UNPARSEABLE = {grpc.StatusCode.UNKNOWN}
 PARSE_ERROR = "Error parsing message"
 
 

@@ -236,6 +236,20 @@ def test_stream_must_open_first():
     asyncio.run(main())
 
 
+def test_a_stream_message_that_does_not_parse_is_invalid_argument():
+    async def main():
+        async with codec_server() as (_, channel, _):
+            raw = channel.stream_stream("/voicechat.v1.CodecService/DecodeStream", request_serializer=None,
+                                        response_deserializer=None)
+            call = raw(iter([OPEN.SerializeToString(), b"\xff\xff\xff\xff"]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in call]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("a request message does not parse")
+
+    asyncio.run(main())
+
+
 def test_message_size_limit_is_enforced():
     async def main():
         async with codec_server(max_message_mb=1) as (_, channel, _):
