@@ -48,11 +48,11 @@ class Deadlines:
     A stream's first message (opening a session: the system-prompt prefill, the speech prefix) gets `open_s`,
     every later message (one frame) `frame_s`, a whole-utterance unary call `unary_s`. A frame may include a
     one-time compilation (the first frames, the streaming encoder once its caches fill), so `frame_s` is far above
-    a frame's normal cost; a process that died or stopped is found sooner by the channel's keepalive (about 4 s).
+    a frame's normal cost. A process that died fails its calls at once; one that hangs is caught by `frame_s`.
     """
 
     open_s: float = 60.0
-    frame_s: float = 30.0
+    frame_s: float = 15.0
     unary_s: float = 600.0
 
     def __post_init__(self) -> None:

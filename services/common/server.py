@@ -43,6 +43,7 @@ Registration = tuple[AddFn, object]  # (add_XServicer_to_server, servicer)
 
 DEFAULT_MAX_MESSAGE_MB = 64
 DEFAULT_GRACE_S = 5.0
+MIN_CLIENT_PING_INTERVAL_MS = 1000  # the most often a client may ping without sending data
 _MIB = 1024 * 1024
 # Infrastructure services answer while loading and bypass error mapping.
 _INFRA_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -243,7 +244,12 @@ async def start_server(
     if max_message_mb <= 0:
         raise ValueError(f"max_message_mb must be positive, got {max_message_mb}")
     limit = int(max_message_mb * _MIB)
-    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+               # Clients keep sessions alive with pings every few seconds (the orchestrator's every 2 s), also
+               # while a session's stream is idle; the default policy (one per 5 minutes without data) would
+               # answer them with GOAWAY "too_many_pings" and end every session on the connection.
+               ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+               ("grpc.keepalive_permit_without_calls", 1)]
     gate = _Gate()
     server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics)], options=options)
     for add, servicer in registrations:

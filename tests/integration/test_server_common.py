@@ -250,6 +250,32 @@ def test_a_stream_message_that_does_not_parse_is_invalid_argument():
     asyncio.run(main())
 
 
+def test_a_stream_idle_under_client_keepalive_pings_stays_open():
+    """A client pinging every 1.1 s while its stream is idle: the server's default policy would answer GOAWAY
+    "too_many_pings" after a few pings and end the stream."""
+
+    async def main():
+        async with codec_server() as (running, _, _):
+            options = [("grpc.keepalive_time_ms", 1100), ("grpc.keepalive_timeout_ms", 2000),
+                       ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+            async with grpc.aio.insecure_channel(f"{HOST}:{running.port}", options=options) as channel:
+                requests: asyncio.Queue = asyncio.Queue()
+
+                async def messages():
+                    while (message := await requests.get()) is not None:
+                        yield message
+
+                call = codec_pb2_grpc.CodecServiceStub(channel).DecodeStream(messages())
+                await requests.put(OPEN)
+                assert (await call.read()).WhichOneof("payload") == "opened"
+                await asyncio.sleep(8.0)  # idle: only pings on the connection
+                await requests.put(frame(0, [1, 2, 3, 4]))
+                assert (await call.read()).WhichOneof("payload") == "frame"
+                await requests.put(None)
+
+    asyncio.run(main())
+
+
 def test_message_size_limit_is_enforced():
     async def main():
         async with codec_server(max_message_mb=1) as (_, channel, _):
