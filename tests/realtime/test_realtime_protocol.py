@@ -196,8 +196,9 @@ def test_second_update_and_unknown_types_after_update_are_invalid_request():
     assert len(factory.sessions) == 1 and factory.sessions[0].options["seed"] == 1
 
 
-@pytest.mark.parametrize("frame", ["{not json", "[1, 2]", "42", '"text"', "null", b"\x00\x01binary"])
-def test_frames_that_are_not_json_objects_are_invalid_request_and_the_loop_goes_on(frame):
+def bad_frame_then_ping(frame) -> tuple[dict, dict]:
+    """A configured session is sent `frame`, then a ping: (the answer to the frame, the answer to the ping)."""
+
     async def scenario(server):
         client = await Client.open(server.url)
         await client.configure()
@@ -206,7 +207,12 @@ def test_frames_that_are_not_json_objects_are_invalid_request_and_the_loop_goes_
         await client.send({"type": "session.ping"})
         return error, await client.recv()
 
-    error, pong = serve(scenario)
+    return serve(scenario)
+
+
+@pytest.mark.parametrize("frame", ["{not json", "[1, 2]", "42", '"text"', "null", b"\x00\x01binary"])
+def test_frames_that_are_not_json_objects_are_invalid_request_and_the_loop_goes_on(frame):
+    error, pong = bad_frame_then_ping(frame)
     assert error["type"] == "error" and error["error"]["code"] == "invalid_request"
     assert pong["type"] == "session.pong"
 
@@ -215,15 +221,7 @@ def test_frames_that_are_not_json_objects_are_invalid_request_and_the_loop_goes_
 def test_deeply_nested_json_is_invalid_request_and_the_loop_goes_on(frame):
     """json.loads raises RecursionError (not a ValueError) past the recursion limit; it used to end the
     connection with 1011 instead of an error event."""
-    async def scenario(server):
-        client = await Client.open(server.url)
-        await client.configure()
-        await client.send(frame)
-        error = await client.recv()
-        await client.send({"type": "session.ping"})
-        return error, await client.recv()
-
-    error, pong = serve(scenario)
+    error, pong = bad_frame_then_ping(frame)
     assert error["type"] == "error" and error["error"] == {
         "code": "invalid_request",
         "message": "the frame's JSON nests too deeply to parse; every client message is a JSON object"}
