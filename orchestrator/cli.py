@@ -54,16 +54,20 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     add_deadline_flags(parser)
 
 
+def _add_turn_flags(parser: argparse.ArgumentParser, extra_help: str) -> None:
+    """What `offline` and `stream` share: the input file, where the networks run, prompt, seed, trailing silence."""
+    parser.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
+    _add_connection_flags(parser)
+    parser.add_argument("-p", "--system-prompt", default=None, help="system prompt (default: the checkpoint's)")
+    parser.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
+    parser.add_argument("--extra-decoding-seconds", type=float, default=3.0, help=extra_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Full-duplex VoiceChat over four services.")
     commands = parser.add_subparsers(dest="command", required=True)
     offline = commands.add_parser("offline", help="one spoken turn: transcript, answer text and answer audio")
-    offline.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
-    _add_connection_flags(offline)
-    offline.add_argument("-p", "--system-prompt", default=None, help="system prompt (default: the checkpoint's)")
-    offline.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
-    offline.add_argument("--extra-decoding-seconds", type=float, default=3.0,
-                         help="silence appended so the model can finish answering (default 3)")
+    _add_turn_flags(offline, "silence appended so the model can finish answering (default 3)")
     offline.add_argument("--output-audio", type=Path, default=Path("response.wav"),
                          help="response WAV, 22050 Hz mono PCM16 (default response.wav)")
     offline.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -77,12 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_stream_parser(commands) -> None:
     stream = commands.add_parser("stream",
                                   help="the online session: push the file in chunks, print events as they come")
-    stream.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
-    _add_connection_flags(stream)
-    stream.add_argument("-p", "--system-prompt", default=None, help="system prompt (default: the checkpoint's)")
-    stream.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
-    stream.add_argument("--extra-decoding-seconds", type=float, default=3.0,
-                        help="silence pushed after the file so the model can finish answering (default 3)")
+    _add_turn_flags(stream, "silence pushed after the file so the model can finish answering (default 3)")
     stream.add_argument("--chunk-ms", type=float, default=80.0, help="push size in milliseconds (default 80)")
     stream.add_argument("--realtime", action="store_true", help="pace the pushes like a live microphone")
     stream.add_argument("--sequential", action="store_true", help="run the stages one after another (no pipelining)")
