@@ -8,6 +8,7 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_frames_over_budget_total{service}   counter: frames whose seconds exceeded the frame budget (80 ms)
     voicechat_errors_total{service,code}          counter: errors by gRPC status code name (services) or by
                                                   conversation ERROR_CODE_* name / realtime error type (orchestrator)
+    voicechat_batch_size{service}                 histogram: sessions per batched engine step (network services)
 
 Each Metrics owns its own CollectorRegistry, so several servers in one test process do not collide:
 
@@ -32,6 +33,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 SERVICES = ("perception", "llm", "tts", "codec", "orchestrator")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FRAME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.64, 1.28)
 DEFAULT_FRAME_BUDGET_S = 0.08  # the checkpoint's frame duration; the services set theirs from config.json
 METRICS_PORT_ENV = "VOICECHAT_METRICS_PORT"
@@ -47,7 +49,7 @@ _ORCHESTRATOR_FRAME_HELP = (
 
 
 class Metrics:
-    """The five metrics of one role, in a registry of their own; every method is safe from any thread."""
+    """The metrics of one role, in a registry of their own; every method is safe from any thread."""
 
     def __init__(self, service: str, *, frame_budget_s: float = DEFAULT_FRAME_BUDGET_S) -> None:
         if service not in SERVICES:
@@ -74,6 +76,9 @@ class Metrics:
         self._errors = Counter("voicechat_errors", "Errors sent to clients, by gRPC status code name (network "
                                "services) or conversation ERROR_CODE_* name and realtime error type (orchestrator)",
                                ["service", "code"], registry=self.registry)
+        self._batch_size = None if service == "orchestrator" else Histogram(
+            "voicechat_batch_size", "Sessions whose frame steps ran together in one batched engine step",
+            ["service"], buckets=BATCH_BUCKETS, registry=self.registry).labels(service)
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
@@ -90,6 +95,12 @@ class Metrics:
         self._seconds.observe(seconds)
         if seconds > self.frame_budget_s:
             self._over_budget.inc()
+
+    def batch(self, size: int) -> None:
+        """One batched engine step over `size` sessions (network services only)."""
+        if self._batch_size is None:
+            raise ValueError("the orchestrator runs no batched engine steps")
+        self._batch_size.observe(size)
 
     def error(self, code: str) -> None:
         """One error answered with `code` (e.g. "INVALID_ARGUMENT", "ERROR_CODE_SERVER_BUSY", "server_busy")."""

@@ -1,4 +1,4 @@
-"""The metrics module: what the five metrics hold after known observations, the HTTP exposition (parsed as
+"""The metrics module: what the metrics hold after known observations, the HTTP exposition (parsed as
 Prometheus parses it), a busy port's error, and the --metrics-port / --metrics-host flags."""
 
 from __future__ import annotations
@@ -88,6 +88,20 @@ def test_errors_are_counted_by_code_and_registries_are_per_instance():
     assert first.value("voicechat_errors_total", code="UNAVAILABLE") is None  # a code appears once it happened
     assert second.value("voicechat_errors_total", code="INVALID_ARGUMENT") is None
     assert second.value("voicechat_frames_total") == 0
+
+
+def test_batch_sizes_fill_their_buckets_and_the_orchestrator_has_none():
+    metrics = Metrics("llm")
+    for size in (1, 1, 3, 16, 40):
+        metrics.batch(size)
+    assert metrics.value("voicechat_batch_size_count") == 5
+    assert metrics.value("voicechat_batch_size_sum") == 61
+    assert [metrics.value("voicechat_batch_size_bucket", le=le) for le in ("1.0", "2.0", "4.0", "16.0", "32.0", "64.0")
+            ] == [2, 2, 3, 4, 4, 5]
+    orchestrator = Metrics("orchestrator")
+    assert orchestrator.value("voicechat_batch_size_count") is None
+    with pytest.raises(ValueError, match="no batched engine steps"):
+        orchestrator.batch(1)
 
 
 def test_unknown_service_and_bad_budget_are_refused():

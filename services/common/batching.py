@@ -1,0 +1,124 @@
+"""Cross-session batching: the frame steps of concurrent sessions run as one batched call on the engine thread.
+
+Each stream handler submits its session's step and awaits the result; the batcher hands every step waiting at
+that moment (up to `max_batch`) to the service's batched engine call in one engine-thread job:
+
+    batcher = StepBatcher(engine_thread, lambda entries: engine.step_batch(entries), max_batch=16)
+    result = await batcher.submit((session, text_id))    # from each stream's handler
+
+No step waits for company. While a batch runs, the steps that arrive queue and form the next one, so one
+session alone runs batches of one (the engines' solo path), and batches grow with load only: continuous
+batching without a timer. Batched calls return one result per entry, an exception instance for an entry that
+failed on its own (bad input), so one session's error reaches that session only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from services.common.engine_thread import EngineThread
+
+Entry = TypeVar("Entry")
+Result = TypeVar("Result")
+Prepared = TypeVar("Prepared")
+Output = TypeVar("Output")
+
+DEFAULT_MAX_BATCH = 16
+
+
+class StepBatcher(Generic[Entry, Result]):
+    """Gathers concurrent `submit` calls into batched engine-thread jobs of at most `max_batch` entries.
+
+    `run_batch(entries)` runs on the engine thread and returns a list aligned with `entries`: a result or an
+    exception instance per entry. If it raises, every entry of that batch fails with that exception. All
+    `submit` calls must come from one event loop (a gRPC aio server's)."""
+
+    def __init__(self, engine_thread: EngineThread,
+                 run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]],
+                 max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.engine_thread = engine_thread
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.on_batch = on_batch  # called with each batch's size (metrics)
+        self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    async def submit(self, entry: Entry) -> Result:
+        """Queue one session's step and wait for its result (or its exception). A caller cancelled while its
+        step is still queued is dropped from the batch; once the batch runs, the step runs to its end."""
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._waiting.append((entry, future))
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                taken, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
+                batch = [(entry, future) for entry, future in taken if not future.done()]  # cancelled callers
+                if batch:
+                    await self._run(batch)
+        except asyncio.CancelledError:  # the event loop is shutting down: nobody is left to answer
+            for _, future in self._waiting:
+                future.cancel()
+            self._waiting = []
+            raise
+        finally:
+            self._drainer = None
+
+    async def _run(self, batch: list[tuple[Entry, asyncio.Future[Result]]]) -> None:
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
+        try:
+            results = await self.engine_thread.run(self._checked, [entry for entry, _ in batch])
+        except asyncio.CancelledError:
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - delivered to each waiting caller
+            results = [error] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():  # its caller was cancelled while the batch ran
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _checked(self, entries: list[Entry]) -> Sequence[Result | BaseException]:
+        results = self.run_batch(entries)
+        if len(results) != len(entries):
+            raise RuntimeError(f"a batched step returned {len(results)} results for {len(entries)} entries")
+        return results
+
+
+def run_entries(entries: Sequence[Entry], prepare: Callable[[Entry], Prepared],
+                run: Callable[[list[Prepared]], Sequence[Output | BaseException]],
+                finish: Callable[[Entry, Output], Result]) -> list[Result | BaseException]:
+    """The shape of every service's batched step: `prepare` each entry (decode its request; an exception fails
+    that entry alone), `run` the prepared ones as one batch, `finish` each output into its reply."""
+    results: list[Result | BaseException | None] = [None] * len(entries)
+    prepared, slots = [], []
+    for i, entry in enumerate(entries):
+        try:
+            prepared.append(prepare(entry))
+        except Exception as error:  # noqa: BLE001 - this entry's own error
+            results[i] = error
+            continue
+        slots.append(i)
+    if prepared:
+        outputs = run(prepared)
+        for i, output in zip(slots, outputs, strict=True):
+            if isinstance(output, BaseException):
+                results[i] = output
+                continue
+            try:
+                results[i] = finish(entries[i], output)
+            except Exception as error:  # noqa: BLE001 - this entry's own error
+                results[i] = error
+    return results  # type: ignore[return-value]

@@ -1,0 +1,171 @@
+"""StepBatcher: concurrent submissions form batches while the engine thread is busy, results and errors reach
+their own caller, cancelled callers are dropped, max_batch bounds a batch; run_entries isolates entry errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from services.common.batching import StepBatcher, run_entries
+from services.common.engine_thread import EngineThread
+
+
+class Recorder:
+    """A batched 'engine': entry -> entry * 10; entries < 0 fail alone; the first batch can be held."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.started = threading.Event()
+
+    def __call__(self, entries: list[int]) -> list[int | BaseException]:
+        self.batches.append(list(entries))
+        self.started.set()
+        self.hold.wait(5)
+        return [ValueError(f"bad entry {e}") if e < 0 else e * 10 for e in entries]
+
+
+@pytest.fixture
+def engine_thread():
+    with EngineThread(name="test-batching") as thread:
+        yield thread
+
+
+async def _wait_started(recorder: Recorder) -> None:
+    while not recorder.started.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_steps_arriving_during_a_batch_form_the_next_one(engine_thread):
+    recorder, sizes = Recorder(), []
+    batcher = StepBatcher(engine_thread, recorder, max_batch=4, on_batch=sizes.append)
+
+    async def scenario():
+        recorder.hold.clear()
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _wait_started(recorder)  # batch [1] is on the engine thread and held there
+        rest = [asyncio.ensure_future(batcher.submit(n)) for n in range(2, 12)]
+        await asyncio.sleep(0.01)
+        recorder.hold.set()
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(scenario())
+    assert first == 10 and rest == [n * 10 for n in range(2, 12)]
+    assert recorder.batches == [[1], [2, 3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    assert sizes == [1, 4, 4, 2]
+
+
+def test_a_lone_step_runs_alone_and_at_once(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder)
+
+    async def scenario():
+        return [await batcher.submit(n) for n in (3, 4)]
+
+    assert asyncio.run(scenario()) == [30, 40]
+    assert recorder.batches == [[3], [4]]
+
+
+def test_an_entry_error_reaches_its_caller_only(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder)
+
+    async def scenario():
+        recorder.hold.clear()
+        blocker = asyncio.ensure_future(batcher.submit(0))
+        await _wait_started(recorder)
+        futures = [asyncio.ensure_future(batcher.submit(n)) for n in (5, -1, 6)]
+        recorder.hold.set()
+        await blocker
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    good, bad, other = asyncio.run(scenario())
+    assert (good, other) == (50, 60)
+    assert isinstance(bad, ValueError) and str(bad) == "bad entry -1"
+    assert recorder.batches == [[0], [5, -1, 6]]
+
+
+def test_a_failing_batch_fails_its_callers_and_the_next_batch_still_runs(engine_thread):
+    calls = []
+
+    def flaky(entries):
+        calls.append(list(entries))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return [e + 1 for e in entries]
+
+    batcher = StepBatcher(engine_thread, flaky)
+
+    async def scenario():
+        with pytest.raises(RuntimeError, match="device lost"):
+            await batcher.submit(1)
+        return await batcher.submit(2)
+
+    assert asyncio.run(scenario()) == 3
+
+
+def test_a_caller_cancelled_while_queued_is_dropped(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder)
+
+    async def scenario():
+        recorder.hold.clear()
+        blocker = asyncio.ensure_future(batcher.submit(0))
+        await _wait_started(recorder)
+        gone = asyncio.ensure_future(batcher.submit(7))
+        kept = asyncio.ensure_future(batcher.submit(8))
+        await asyncio.sleep(0)  # both are queued
+        gone.cancel()
+        recorder.hold.set()
+        await blocker
+        return await kept
+
+    assert asyncio.run(scenario()) == 80
+    assert recorder.batches == [[0], [8]]
+
+
+def test_a_result_count_mismatch_is_an_error(engine_thread):
+    batcher = StepBatcher(engine_thread, lambda entries: [])
+
+    async def scenario():
+        await batcher.submit(1)
+
+    with pytest.raises(RuntimeError, match="returned 0 results for 1 entries"):
+        asyncio.run(scenario())
+
+
+def test_max_batch_must_be_positive(engine_thread):
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        StepBatcher(engine_thread, lambda entries: entries, max_batch=0)
+
+
+def test_run_entries_keeps_each_entrys_error_its_own():
+    seen = []
+
+    def prepare(entry: str) -> int:
+        return int(entry)  # "x" fails here
+
+    def run(values: list[int]) -> list[int | BaseException]:
+        seen.append(values)
+        return [ValueError("negative") if v < 0 else v * 2 for v in values]
+
+    def finish(entry: str, out: int) -> str:
+        if out == 8:
+            raise KeyError("no reply for 4")
+        return f"{entry}->{out}"
+
+    results = run_entries(["1", "x", "-2", "3", "4"], prepare, run, finish)
+    assert seen == [[1, -2, 3, 4]]
+    assert results[0] == "1->2" and results[3] == "3->6"
+    assert isinstance(results[1], ValueError) and "invalid literal" in str(results[1])
+    assert isinstance(results[2], ValueError) and str(results[2]) == "negative"
+    assert isinstance(results[4], KeyError)
+
+
+def test_run_entries_skips_the_batch_when_nothing_is_left():
+    ran = []
+    results = run_entries(["x"], int, lambda values: ran.append(values) or [], str)
+    assert ran == [] and isinstance(results[0], ValueError)
