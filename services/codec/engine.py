@@ -5,12 +5,15 @@
     audio = engine.decode(codes)                                # (3528,) float32
     stream = engine.open_stream()
     chunk = stream.decode_frame(0, codes[0])                    # (1764,) float32
+    chunks = engine.decode_batch([(stream, 1, codes[1]), (other, 5, other_codes)])  # one step for both
 
 Every method runs MLX work, so a service calls them on its EngineThread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,6 +47,34 @@ def _check_codes(codes: np.ndarray, shape_name: str, num_quantizers: int, codebo
     return codes.astype(np.int32)
 
 
+def _context(codec: Codec, state: DecodeState) -> list[mx.array]:
+    """A started stream's context in the order `Codec.stream_step` takes it: each decoder block's tail, then
+    the spectral real and imaginary frames; each (1, ...)."""
+    return [*(state.block_tails[index] for index in codec.decoder_blocks), state.spec_real, state.spec_imag]
+
+
+@dataclass
+class _BatchedContext:
+    """What the last batched step left: its context arrays (B, ...) and the row views it gave each stream.
+
+    A stream whose state still holds exactly those views (no solo step since) has its context in this
+    batch's row, so the next batched step can reuse the row instead of copying the stream's arrays in."""
+
+    arrays: list[mx.array]
+    rows: list[list[mx.array]]  # rows[r][k] is arrays[k][r : r + 1]
+    _row_of: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._row_of = {id(row[0]): r for r, row in enumerate(self.rows)}
+
+    def row_of(self, context: list[mx.array]) -> int | None:
+        """The row holding this context, or None when it is not (any longer) one of this batch's rows."""
+        row = self._row_of.get(id(context[0]))
+        if row is None or any(mine is not theirs for mine, theirs in zip(self.rows[row], context, strict=True)):
+            return None
+        return row
+
+
 PROMPT_CODES_KEPT = 4  # warm-up code arrays kept per process, least recently used dropped first
 
 
@@ -55,6 +86,7 @@ class CodecEngine:
         self.config = codec.config
         self.max_frames = max_frames
         self._prompt_codes: dict[int, np.ndarray] = {}
+        self._last_batch: _BatchedContext | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> CodecEngine:
@@ -131,6 +163,90 @@ class CodecEngine:
             self._prompt_codes.pop(next(iter(self._prompt_codes)))
         return codes.copy()
 
+    def decode_batch(self, frames: Sequence[tuple[DecodeStream, int, np.ndarray]]) -> list[np.ndarray | Exception]:
+        """One frame for each of several streams: entry i is the arguments of `stream.decode_frame(frame_index,
+        codes)` and result i what that call returns, or the ValueError it raises (that stream left as it was).
+
+        Streams past their first frame run `Codec.compiled_stream_step` once over their contexts stacked along
+        the batch axis, and each gets its own row back; a stream's first frame (it creates the context), or a
+        lone stream, takes the solo path. A stream may appear at most once."""
+        results: list[np.ndarray | Exception | None] = [None] * len(frames)
+        checked: list[tuple[int, DecodeStream, np.ndarray]] = []
+        seen: set[int] = set()
+        for i, (stream, frame_index, codes) in enumerate(frames):
+            try:
+                if id(stream) in seen:
+                    raise ValueError("a stream appears twice in one batch: send its next frame in a later batch")
+                seen.add(id(stream))
+                checked.append((i, stream, stream._checked(frame_index, codes)))
+            except (ValueError, LimitExceeded) as error:
+                results[i] = error
+        started = [entry for entry in checked if entry[1].state.frames_decoded > 0]
+        for i, stream, codes in checked:
+            if len(started) < 2 or stream.state.frames_decoded == 0:
+                results[i] = stream._decode(codes)
+        if len(started) > 1:
+            together = self._decode_together([stream for _, stream, _ in started], [codes for *_, codes in started])
+            for (i, _, _), samples in zip(started, together, strict=True):
+                results[i] = samples
+        return results
+
+    def _decode_together(self, streams: list[DecodeStream], codes: list[np.ndarray]) -> list[np.ndarray]:
+        """Started streams' next frames in one compiled step; each stream's state becomes its own row."""
+        codec = self.codec
+        order, context = self._stack_contexts([stream.state for stream in streams])
+        frame = mx.array(np.stack([codes[position] for position in order]))[:, None]  # (B, 1, Q)
+        samples, tails, spec = codec.compiled_stream_step(frame, context[:-2], (context[-2], context[-1]))
+        arrays = [*tails, *spec]
+        rows = [[array[r : r + 1] for array in arrays] for r in range(len(order))]
+        mx.eval(samples, *arrays, *(array for row in rows for array in row))
+        host = np.array(samples)
+        results: list[np.ndarray | None] = [None] * len(streams)
+        for r, position in enumerate(order):
+            stream, row = streams[position], rows[r]
+            stream.state.block_tails = dict(zip(codec.decoder_blocks, row[:-2], strict=True))
+            stream.state.spec_real, stream.state.spec_imag = row[-2], row[-1]
+            stream.state.frames_decoded += 1
+            stream.next_frame += 1
+            results[position] = host[r]
+        self._last_batch = _BatchedContext(arrays, rows)
+        return results
+
+    def _stack_contexts(self, states: list[DecodeState]) -> tuple[list[int], list[mx.array]]:
+        """The states' contexts stacked along the batch axis, and the position in `states` each row holds.
+
+        Rows of the last batched step that their streams still hold come first, in their old order, and cost
+        no copy when they are all back in one piece (a contiguous run is a view; else one take per array);
+        only the other streams' arrays are copied in, one concatenate per array."""
+        last, codec = self._last_batch, self.codec
+        kept: list[tuple[int, int]] = []  # (row in the last batch, position in states)
+        fresh: list[int] = []
+        contexts = [_context(codec, state) for state in states]
+        for position, context in enumerate(contexts):
+            row = last.row_of(context) if last is not None else None
+            if row is None:
+                fresh.append(position)
+            else:
+                kept.append((row, position))
+        kept.sort()
+        parts: list[list[mx.array]] = [[] for _ in contexts[0]]
+        if kept:
+            rows = [row for row, _ in kept]
+            if len(rows) == len(last.rows):  # sorted and unique: every row, in order
+                reused = last.arrays
+            elif rows == list(range(rows[0], rows[0] + len(rows))):
+                reused = [array[rows[0] : rows[0] + len(rows)] for array in last.arrays]
+            else:
+                index = mx.array(rows)
+                reused = [mx.take(array, index, axis=0) for array in last.arrays]
+            for k, array in enumerate(reused):
+                parts[k].append(array)
+        for position in fresh:
+            for k, array in enumerate(contexts[position]):
+                parts[k].append(array)
+        stacked = [pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0) for pieces in parts]
+        return [position for _, position in kept] + fresh, stacked
+
     def open_stream(self) -> DecodeStream:
         """A fresh causal decode stream (its state is freed with the object)."""
         return DecodeStream(self)
@@ -146,14 +262,21 @@ class DecodeStream:
 
     def decode_frame(self, frame_index: int, codes: np.ndarray) -> np.ndarray:
         """codes: (Q,) int for frame `frame_index` (0, 1, 2, ... in order) -> samples (1764,) float32."""
+        return self._decode(self._checked(frame_index, codes))
+
+    def _checked(self, frame_index: int, codes: np.ndarray) -> np.ndarray:
+        """The frame's codes as (Q,) int32 if it is this stream's next frame and valid; else ValueError."""
         engine = self.engine
         if frame_index != self.next_frame:
             raise ValueError(f"frame_index {frame_index} is out of order: this stream expects {self.next_frame}")
         codes = np.asarray(codes)
         if codes.ndim != 1:
             raise ValueError(f"a stream frame's codes must have shape ({engine.num_quantizers},), got {codes.shape}")
-        codes = _check_codes(codes, "(Q,)", engine.num_quantizers, engine.codebook_size)
-        codec, state, frame = engine.codec, self.state, mx.array(codes)[None, None]
+        return _check_codes(codes, "(Q,)", engine.num_quantizers, engine.codebook_size)
+
+    def _decode(self, codes: np.ndarray) -> np.ndarray:
+        """Decode checked (Q,) int32 codes of the next frame alone."""
+        codec, state, frame = self.engine.codec, self.state, mx.array(codes)[None, None]
         if state.frames_decoded == 0:  # the first frame creates the context the compiled step carries
             samples = codec.decode_step(frame, state)[0]
         else:
