@@ -258,7 +258,9 @@ class LanguageEngine:
         Sessions with cached state of the same dtypes step together as one batched forward (`BatchedStep`);
         a single entry, full-history sessions, first positions (empty caches) and a group of one take the solo
         path. Each session's state stays its own, so sessions may move between solo and batched steps at any
-        position. The only numeric difference from solo is the rounding of matmuls over B rows."""
+        position. The only numeric difference from solo is the rounding of matmuls over B rows: on CUDA, MLX
+        runs float32 GEMMs over B >= 2 rows in TF32 unless MLX_ENABLE_TF32=0 (logits ~4e-2 off instead of ~4e-5,
+        enough to flip a near-tied argmax); quantized matmuls are per-row exact."""
         if len({id(step[0]) for step in steps}) != len(steps):
             raise ValueError("a session appears twice in one batch")
         results: list[StepOutput | Exception | None] = [None] * len(steps)
