@@ -11,6 +11,7 @@ All calls must come from one thread (the service's EngineThread): MLX evaluation
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
-from services.llm.nemotron_h import WEIGHT_PREFIXES, DuplexLanguageModel, LayerCache
+from services.llm.nemotron_h import WEIGHT_PREFIXES, DuplexLanguageModel, KVCache, LayerCache
 
 MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
 MAX_FULL_HISTORY_POSITIONS = 4096  # the diagnostic mode recomputes everything each step: keep it bounded
@@ -94,6 +95,18 @@ class LanguageSession:
         """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.
 
         frame_index, when given, must be the number of frames stepped so far (0, 1, 2, ...)."""
+        self.check_step(audio, frame_index)
+        out = self._run(audio.reshape(1, 1, self.model.hidden_size), want_heads=True)
+        assert out is not None
+        text_logits, function_logits, ids = out
+        self.prev_text, self.prev_function = ids.tolist()  # evaluated already: a copy, no wait
+        self.frames += 1
+        if not return_logits:
+            return StepOutput(self.prev_text, self.prev_function)
+        return StepOutput(self.prev_text, self.prev_function, text_logits, function_logits)
+
+    def check_step(self, audio: mx.array, frame_index: int | None) -> None:
+        """The ValueError / LimitExceeded `step` raises for these arguments, before anything changes."""
         if self.closed:
             raise ValueError(f"session {self.session_id} is closed")
         if frame_index is not None and frame_index != self.frames:
@@ -104,14 +117,50 @@ class LanguageSession:
         if audio.dtype != mx.float32 or tuple(audio.shape) != (hidden,):
             raise ValueError(f"audio embedding must be float32 of shape ({hidden},); "
                              f"got {str(audio.dtype).rpartition('.')[2]} of shape {tuple(audio.shape)}")
-        out = self._run(audio.reshape(1, 1, hidden), want_heads=True)
-        assert out is not None
-        text_logits, function_logits, ids = out
-        self.prev_text, self.prev_function = ids.tolist()  # evaluated already: a copy, no wait
-        self.frames += 1
-        if not return_logits:
-            return StepOutput(self.prev_text, self.prev_function)
-        return StepOutput(self.prev_text, self.prev_function, text_logits, function_logits)
+
+
+@dataclass
+class _StatePool:
+    """The stacked Mamba states a batched step left (B rows each, in `BatchedStep.mamba_layers` order as
+    [conv, ssm, ...]) and the row views of them it handed its sessions.
+
+    While every session still holds exactly those views (a solo step or a close replaces them), the next batch
+    of the same sessions takes the stacks as they are: no per-session concatenation of states each step."""
+
+    sessions: tuple[LanguageSession, ...]
+    stacked: list[mx.array]
+    rows: list[list[mx.array]]  # rows[b]: session b's views of `stacked`
+
+    def holds(self, b: int, layers: list[int]) -> bool:
+        """Whether session b's Mamba states are still this pool's rows."""
+        current = _mamba_states(self.sessions[b], layers)
+        return len(current) == len(self.rows[b]) and all(x is y for x, y in zip(current, self.rows[b], strict=True))
+
+    def intact(self, layers: list[int]) -> bool:
+        return all(self.holds(b, layers) for b in range(len(self.sessions)))
+
+    def detach(self, keep: set[int], layers: list[int]) -> list[mx.array]:
+        """Give each session not in `keep` that still holds its rows its own copies (a view would keep every
+        row of the stack alive); returns the copies to evaluate."""
+        copies = []
+        for b, session in enumerate(self.sessions):
+            if session.session_id in keep or not self.holds(b, layers):
+                continue
+            for i in layers:
+                cache = session.caches[i]
+                cache.conv, cache.ssm = mx.contiguous(cache.conv), mx.contiguous(cache.ssm)
+                copies += [cache.conv, cache.ssm]
+        return copies
+
+
+def _mamba_states(session: LanguageSession, layers: list[int]) -> list[mx.array]:
+    """[conv, ssm] of each Mamba layer in `layers`; [] once the session is closed."""
+    if not session.caches:
+        return []
+    return [a for i in layers for a in (session.caches[i].conv, session.caches[i].ssm)]
+
+
+Step = tuple[LanguageSession, mx.array, bool, int | None]
 
 
 class LanguageEngine:
@@ -125,6 +174,7 @@ class LanguageEngine:
         self.max_prompt_tokens = max_prompt_tokens
         self._sessions: dict[int, LanguageSession] = {}
         self._ids = itertools.count(1)
+        self._pools: dict[tuple[int, ...], _StatePool] = {}  # by the session ids of a batched group
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
@@ -193,6 +243,118 @@ class LanguageEngine:
     def close_session(self, session: LanguageSession) -> None:
         """Free the session's caches; closing twice is a no-op."""
         session.closed = True
+        for key in [key for key in self._pools if session.session_id in key]:
+            del self._pools[key]  # its other sessions' views keep the stack only until they step again
         session.caches.clear()
         session.history.clear()
         self._sessions.pop(session.session_id, None)
+
+    # ---- several sessions' steps at once --------------------------------------------------------------------
+
+    def step_batch(self, steps: Sequence[Step]) -> list[StepOutput | Exception]:
+        """Each entry is the arguments of `session.step(audio, return_logits, frame_index)`; returns what each
+        call would (or the ValueError / LimitExceeded it would raise, that session untouched), in order.
+
+        Sessions with cached state of the same dtypes step together as one batched forward (`BatchedStep`);
+        a single entry, full-history sessions, first positions (empty caches) and a group of one take the solo
+        path. Each session's state stays its own, so sessions may move between solo and batched steps at any
+        position. The only numeric difference from solo is the rounding of matmuls over B rows: on CUDA, MLX
+        runs float32 GEMMs over B >= 2 rows in TF32 unless MLX_ENABLE_TF32=0 (logits ~4e-2 off instead of ~4e-5,
+        enough to flip a near-tied argmax); quantized matmuls are per-row exact."""
+        if len({id(step[0]) for step in steps}) != len(steps):
+            raise ValueError("a session appears twice in one batch")
+        results: list[StepOutput | Exception | None] = [None] * len(steps)
+        groups: dict[tuple, list[int]] = {}
+        solo: list[int] = []
+        for i, (session, audio, _, frame_index) in enumerate(steps):
+            if len(steps) == 1 or not self._batchable(session):
+                solo.append(i)
+                continue
+            try:
+                session.check_step(audio, frame_index)
+            except (ValueError, LimitExceeded) as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(self._signature(session), []).append(i)
+        batched = []
+        for members in groups.values():
+            if len(members) == 1:
+                solo += members
+            else:
+                batched.append(sorted(members, key=lambda i: steps[i][0].session_id))
+        for i in sorted(solo):
+            try:
+                results[i] = steps[i][0].step(*steps[i][1:])
+            except (ValueError, LimitExceeded) as exc:
+                results[i] = exc
+        if batched:
+            to_eval = self._settle_pools([[steps[i][0] for i in members] for members in batched])
+            finishes = [self._step_group([steps[i] for i in members], to_eval) for members in batched]
+            mx.eval(to_eval)
+            for members, finish in zip(batched, finishes, strict=True):
+                for i, out in zip(members, finish(), strict=True):
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+    def _batchable(self, session: LanguageSession) -> bool:
+        return (session.model is self.model and not session.closed and not session.full_history
+                and session.positions > 0)
+
+    @staticmethod
+    def _signature(session: LanguageSession) -> tuple:
+        """The dtypes of every cached tensor: sessions batch together only when these agree (a bf16 prompt
+        prefix keeps its attention caches in bf16, and its conv tails until the first f32 step)."""
+        return tuple(a.dtype for c in session.caches if c is not None for a in c.arrays())
+
+    def _settle_pools(self, groups: list[list[LanguageSession]]) -> list[mx.array]:
+        """Drop every pool that this call's groups do not reuse whole and intact, or that a session of theirs
+        has left; returns copies for the sessions they leave behind (to evaluate with the batch)."""
+        layers = self.model.batched_step.mamba_layers
+        wanted = {tuple(s.session_id for s in group) for group in groups}
+        grouped = {s.session_id for group in groups for s in group}
+        copies: list[mx.array] = []
+        for key, pool in list(self._pools.items()):
+            if pool.intact(layers) and (key in wanted or not grouped.intersection(key)):
+                continue
+            del self._pools[key]
+            copies += pool.detach(grouped, layers)
+        return copies
+
+    def _step_group(self, steps: list[Step], to_eval: list[mx.array]):
+        """Build one group's batched step (every entry checked already), appending what to evaluate to
+        `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs."""
+        sessions = tuple(step[0] for step in steps)
+        b, hidden = len(steps), self.model.hidden_size
+        batched = self.model.batched_step
+        key = tuple(s.session_id for s in sessions)
+        pool = self._pools.get(key)
+        if pool is not None:
+            states = pool.stacked
+        else:
+            per_session = [_mamba_states(s, batched.mamba_layers) for s in sessions]
+            states = [mx.concatenate(rows, axis=0) for rows in zip(*per_session, strict=True)]
+        prev_text = mx.array([[s.prev_text] for s in sessions], dtype=mx.int32)
+        prev_function = mx.array([[s.prev_function] for s in sessions], dtype=mx.int32)
+        audio = mx.stack([step[1] for step in steps]).reshape(b, 1, hidden)
+        (text_logits, function_logits, ids), states = batched(
+            prev_text, audio, prev_function, states, [s.caches for s in sessions])
+        rows = [list(r) for r in zip(*(mx.split(state, b, axis=0) for state in states), strict=True)]
+        for session, own in zip(sessions, rows, strict=True):
+            for n, i in enumerate(batched.mamba_layers):
+                session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
+            session.positions += 1
+        self._pools[key] = _StatePool(sessions, states, rows)
+        kv = [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
+        to_eval += [*states, *kv, text_logits, function_logits, ids]
+
+        def finish() -> list[StepOutput]:
+            outputs = []
+            for row, ((session, _, return_logits, _), (text_id, function_id)) in enumerate(
+                    zip(steps, ids.tolist(), strict=True)):
+                session.prev_text, session.prev_function = text_id, function_id
+                session.frames += 1
+                logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()
+                outputs.append(StepOutput(text_id, function_id, *logits))
+            return outputs
+
+        return finish

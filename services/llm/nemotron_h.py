@@ -432,6 +432,11 @@ class DuplexLanguageModel:
         """The compiled single-position step over caches that already hold a position (see `CachedStep`)."""
         return CachedStep(self)
 
+    @functools.cached_property
+    def batched_step(self) -> BatchedStep:
+        """`cached_step` for several sessions' rows at once (see `BatchedStep`)."""
+        return BatchedStep(self)
+
 
 def token_ids(token: int) -> mx.array:
     """One id as the (1, 1) int32 array the embedding takes."""
@@ -487,7 +492,10 @@ class CachedStep:
         if not heads:
             return (), updated
         text_logits, function_logits = model.heads(model.backbone.final_norm(x))
-        return (text_logits, function_logits, model.greedy(text_logits, function_logits)), updated
+        return (text_logits, function_logits, self._ids(text_logits, function_logits)), updated
+
+    def _ids(self, text_logits: mx.array, function_logits: mx.array) -> mx.array:
+        return self.model.greedy(text_logits, function_logits)
 
     def __call__(self, prev_text: int, audio: mx.array, prev_function: int, caches: list[LayerCache],
                  heads: bool) -> tuple[mx.array, ...]:
@@ -504,3 +512,44 @@ class CachedStep:
                 x, q, k_new, v_new = carried
                 carried = (x, self.blocks[end].mixer.attend(q, k_new, v_new, caches[end]))
         return carried
+
+
+class BatchedStep(CachedStep):
+    """`CachedStep` for B sessions at one position each: the pieces run once over their rows stacked along
+    axis 0, and each attention layer between them runs per session on that session's own cache.
+
+    Per-session attention keeps every row exact (the same cache write and attention call as the solo step) and
+    needs no copy of the caches, whose lengths and capacities differ; padding keys to a common length would
+    copy every session's keys each step. Attention layers are few, so this is the only part that grows with B.
+    The pieces are traced once per (B, dtypes) and give each row's own greedy ids.
+    """
+
+    def _ids(self, text_logits: mx.array, function_logits: mx.array) -> mx.array:
+        """(B, L, vocab) each -> (B, 2) uint32: each row's text and function argmax at the last position."""
+        return mx.stack([mx.argmax(text_logits[:, -1], axis=-1), mx.argmax(function_logits[:, -1], axis=-1)], axis=-1)
+
+    @functools.cached_property
+    def mamba_layers(self) -> list[int]:
+        """Indices of the Mamba blocks: the order of the states `__call__` takes and returns."""
+        return [i for i, block in enumerate(self.blocks) if block.kind == "M"]
+
+    def __call__(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array, states: list[mx.array],
+                 caches: list[list[LayerCache]]) -> tuple[tuple[mx.array, mx.array, mx.array], list[mx.array]]:
+        """prev_text, prev_function: (B, 1) int32; audio: (B, 1, D); states: [conv (B, K-1, C), ssm (B, H, P, N)]
+        per Mamba layer in stack order, row b being session b's; caches: each session's layer caches, whose
+        attention caches advance in place (their Mamba caches are not read or written here).
+        Returns ((text logits, function logits (B, 1, vocab), ids (B, 2) uint32), the updated states)."""
+        carried: tuple[mx.array, ...] = (prev_text, audio, prev_function)
+        pending, updated = iter(states), []
+        for k, piece in enumerate(self.pieces):
+            start, end = self.ranges[k]
+            count = 2 * sum(1 for i in range(start, end) if self.blocks[i].kind == "M")
+            carried, out = piece(carried, [next(pending) for _ in range(count)], True)
+            updated += out
+            if end < len(self.blocks):
+                x, q, k_new, v_new = carried
+                attend = self.blocks[end].mixer.attend
+                rows = [attend(q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], cache[end])
+                        for b, cache in enumerate(caches)]
+                carried = (x, mx.concatenate(rows, axis=0))
+        return carried, updated

@@ -1,0 +1,276 @@
+"""LanguageEngine.step_batch: several sessions' steps as one batched forward, each session's results and state
+exactly its own; the batch composition may change at any frame."""
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.errors import LimitExceeded
+from services.llm.engine import LanguageEngine
+from services.llm.nemotron_h import BatchedStep
+from tests.conftest import GOLDEN
+
+# On CPU the batched matmuls have so far given the very bits of the solo ones (max |diff| 0.0); other devices
+# may round a matmul over B rows differently, which this bound allows.
+LOGIT_TOLERANCE = 1e-4
+FRAMES = 14
+# Four sessions: f32 prompts, no prompt (first step solo: its caches are created there), a bf16 prompt prefix
+# (its attention caches stay bf16: it batches only with its own kind).
+OPENS = [
+    {"system_prompt": "Be concise and answer in one sentence."},
+    {"system_prompt": ""},
+    {"system_prompt": "Hello there."},
+    {"prompt_token_ids": [1, 17, 42, 99, 2]},
+]
+# frame tick -> the sessions that step at it: staggered starts, one late joiner, one that leaves early (closed),
+# ticks with a subset only, and a tick where every session is alone.
+SCHEDULE = {
+    0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 1, 2], 4: [0, 2], 5: [0, 1, 2], 6: [0, 1, 2, 3],
+    7: [0, 1, 2, 3], 8: [1], 9: [0, 1, 2, 3], 10: [0, 1, 3], 11: [0, 1, 3], 12: [0, 1, 2, 3],
+    13: [0, 1, 3], 14: [0, 3], 15: [0, 1, 3], 16: [0, 1, 3], 17: [0, 1, 3],
+}
+LEAVES = {2: 12}  # session 2 is closed after its frames at tick 12
+
+
+@pytest.fixture(scope="module")
+def embeds():
+    z = np.load(GOLDEN / "offline_prompt.npz")
+    return z["audio_embeds"][len(z["prompt_ids"]) :]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
+    return {
+        "dense": LanguageEngine.load(tiny_checkpoint, max_prompt_tokens=32),
+        "4bit": LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32),
+        "mixed": LanguageEngine.load(tinymix_checkpoint, max_prompt_tokens=32),
+        "4bit-as-bf16": LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32, weights_dtype="bfloat16"),
+    }
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch):
+    """The B of every batched forward run."""
+    sizes = []
+    original = BatchedStep.__call__
+
+    def spy(self, prev_text, *args):
+        sizes.append(prev_text.shape[0])
+        return original(self, prev_text, *args)
+
+    monkeypatch.setattr(BatchedStep, "__call__", spy)
+    return sizes
+
+
+def _open(engine, k, prefix_dtype="float32"):
+    return engine.open_session(**OPENS[k], prefix_dtype="bfloat16" if k == 3 else prefix_dtype)
+
+
+def _inputs(embeds, k, n):
+    """Session k's audio rows: a different stretch of the timeline per session."""
+    return [mx.array(row) for row in embeds[5 * k : 5 * k + n]]
+
+
+def _solo(engine, embeds, k, n):
+    return _solo_rows(engine, k, _inputs(embeds, k, n))
+
+
+def _solo_rows(engine, k, rows):
+    session = _open(engine, k)
+    outputs = [session.step(row, return_logits=True, frame_index=t) for t, row in enumerate(rows)]
+    engine.close_session(session)
+    return outputs
+
+
+def _max_diff(a, b):
+    return max(float(mx.abs(a.text_logits - b.text_logits).max()),
+               float(mx.abs(a.function_logits - b.function_logits).max()))
+
+
+@pytest.mark.parametrize("name", ["dense", "4bit", "mixed", "4bit-as-bf16"])
+def test_a_changing_batch_gives_every_session_its_solo_results(engines, embeds, batch_sizes, name):
+    engine = engines[name]
+    counts = [sum(k in ks for ks in SCHEDULE.values()) for k in range(4)]
+    expected = [_solo(engine, embeds, k, counts[k]) for k in range(4)]
+    inputs = [_inputs(embeds, k, counts[k]) for k in range(4)]
+    sessions, got = {}, [[] for _ in range(4)]
+    for tick, ks in SCHEDULE.items():
+        for k in ks:
+            if k not in sessions:
+                sessions[k] = _open(engine, k)  # joins at its first tick
+        if tick == 8:  # a lone step through the solo door between batched ones
+            got[1].append(sessions[1].step(inputs[1][len(got[1])], True, len(got[1])))
+            continue
+        steps = [(sessions[k], inputs[k][len(got[k])], True, len(got[k])) for k in ks]
+        for k, out in zip(ks, engine.step_batch(steps), strict=True):
+            got[k].append(out)
+        for k, last in LEAVES.items():
+            if tick == last:
+                engine.close_session(sessions.pop(k))
+    assert [len(g) for g in got] == counts == [17, 15, 8, 11]
+    worst = 0.0
+    for k in range(4):
+        assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in expected[k]]
+        for a, b in zip(got[k], expected[k], strict=True):
+            assert a.text_logits.shape == a.function_logits.shape == (1024,)
+            assert a.text_logits.dtype == mx.float32
+            worst = max(worst, _max_diff(a, b))
+    assert worst <= LOGIT_TOLERANCE
+    assert len({i for g in expected for o in g for i in (o.text_id,)}) > 5  # the ids really vary
+    # Batches of 2 and 3 ran (sessions 0, 1, 2 in f32); session 3 (bf16 caches) never had a partner.
+    assert set(batch_sizes) == {2, 3}
+    for k, session in sessions.items():
+        assert session.frames == counts[k]
+        assert session.positions == session.prompt_positions + counts[k]
+        engine.close_session(session)
+    assert engine.live_sessions == 0 and not engine._pools
+
+
+def test_bf16_prefix_sessions_batch_with_their_own_kind(engines, embeds, batch_sizes):
+    engine = engines["4bit-as-bf16"]
+    expected = {k: _solo(engine, embeds, k, 6) for k in (0, 2)}
+    expected_bf16 = [None, None]
+    for j in range(2):
+        s = engine.open_session(prompt_token_ids=[1, 17 + j, 42, 2], prefix_dtype="bfloat16")
+        expected_bf16[j] = [s.step(row, True) for row in _inputs(embeds, j, 6)]
+        engine.close_session(s)
+    f32 = [_open(engine, 0), _open(engine, 2)]
+    bf16 = [engine.open_session(prompt_token_ids=[1, 17 + j, 42, 2], prefix_dtype="bfloat16") for j in range(2)]
+    inputs = [_inputs(embeds, 0, 6), _inputs(embeds, 2, 6), _inputs(embeds, 0, 6), _inputs(embeds, 1, 6)]
+    got = [[] for _ in range(4)]
+    for t in range(6):
+        everyone = [*f32, *bf16]
+        for k, out in enumerate(engine.step_batch([(s, inputs[k][t], True, t) for k, s in enumerate(everyone)])):
+            got[k].append(out)
+    assert batch_sizes == [2, 2] * 6  # one f32 group and one bf16 group per frame
+    for k, want in [(0, expected[0]), (1, expected[2]), (2, expected_bf16[0]), (3, expected_bf16[1])]:
+        assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in want]
+        assert max(_max_diff(a, b) for a, b in zip(got[k], want, strict=True)) <= LOGIT_TOLERANCE
+    for s in [*f32, *bf16]:
+        engine.close_session(s)
+
+
+def test_a_batch_of_one_is_the_solo_step_bit_for_bit(engines, embeds, batch_sizes):
+    engine = engines["4bit"]
+    rows = _inputs(embeds, 1, 5)
+    alone, batched = _open(engine, 0), _open(engine, 0)
+    history = engine.open_session(full_history=True)  # never batched: its own solo step
+    for t, row in enumerate(rows):
+        want = alone.step(row, True, t)
+        got, with_history = engine.step_batch([(batched, row, True, t), (history, row, False, t)])
+        assert (got.text_id, got.function_id) == (want.text_id, want.function_id)
+        assert mx.array_equal(got.text_logits, want.text_logits).item()
+        assert mx.array_equal(got.function_logits, want.function_logits).item()
+        assert with_history.text_logits is None and with_history.function_logits is None
+    assert batch_sizes == []
+    for s in (alone, batched, history):
+        engine.close_session(s)
+
+
+def _state(session):
+    """Everything a step advances, the cached tensors as host copies."""
+    return (session.positions, session.frames, session.prev_text, session.prev_function,
+            [np.array(a.astype(mx.float32)) for c in session.caches if c is not None for a in c.arrays()])
+
+
+def _same_state(a, b):
+    return a[:4] == b[:4] and all(np.array_equal(x, y) for x, y in zip(a[4], b[4], strict=True))
+
+
+def test_a_bad_entry_gets_its_error_and_disturbs_nobody(engines, embeds, batch_sizes, monkeypatch):
+    from services.llm import engine as engine_module
+
+    engine = engines["dense"]
+    n = 8
+    expected = [_solo(engine, embeds, k, n) for k in range(3)]
+    inputs = [_inputs(embeds, k, n) for k in range(3)]
+    sessions = [_open(engine, k) for k in range(3)]
+    got = [[] for _ in range(3)]
+
+    def step(ks, bad=None):
+        steps = [(sessions[k], inputs[k][len(got[k])], True, len(got[k])) for k in ks]
+        if bad is not None:
+            steps.insert(1, bad)
+        results = engine.step_batch(steps)
+        if bad is not None:
+            error = results.pop(1)
+        for k, out in zip(ks, results, strict=True):
+            got[k].append(out)
+        return error if bad is not None else None
+
+    step([0, 1, 2])
+    step([0, 1, 2])
+    before = _state(sessions[2])
+    cases = [
+        ((sessions[2], inputs[2][2], True, 7), ValueError, "frame_index 7 is out of order; expected 2"),
+        ((sessions[2], mx.zeros(127), True, None), ValueError, r"float32 of shape \(128,\); got float32"),
+        ((sessions[2], inputs[2][2].astype(mx.float16), False, 2), ValueError, "got float16"),
+    ]
+    for bad, kind, message in cases:
+        error = step([0, 1], bad)
+        assert isinstance(error, kind)
+        assert re.search(message, str(error))
+        assert _same_state(_state(sessions[2]), before)
+    step([0, 1, 2])  # the bad one carries on where it was
+    step([0, 1, 2])
+    # A closed session and a full-history one over its limit: their errors, the others' results.
+    gone = _open(engine, 0)
+    engine.close_session(gone)
+    monkeypatch.setattr(engine_module, "MAX_FULL_HISTORY_POSITIONS", 0)
+    history = engine.open_session(full_history=True)
+    results = engine.step_batch([(gone, inputs[0][0], False, None), (sessions[0], inputs[0][7], True, 7),
+                                 (history, inputs[0][0], False, None), (sessions[1], inputs[1][7], True, 7)])
+    assert isinstance(results[0], ValueError) and "is closed" in str(results[0])
+    assert isinstance(results[2], LimitExceeded)
+    got[0].append(results[1])
+    got[1].append(results[3])
+    for k in range(3):
+        want = expected[k][: len(got[k])]
+        assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in want]
+        assert max(_max_diff(a, b) for a, b in zip(got[k], want, strict=True)) <= LOGIT_TOLERANCE
+    assert [len(g) for g in got] == [8, 8, 4]
+    assert batch_sizes == [2, 3, 2, 2, 2, 3, 3, 2]  # session 1 (no prompt) takes its first step alone
+    with pytest.raises(ValueError, match="appears twice"):
+        engine.step_batch([(sessions[0], inputs[0][5], False, None)] * 2)
+    for s in [*sessions, history]:
+        engine.close_session(s)
+
+
+def test_a_steady_batch_reuses_its_stacked_states_and_a_leaver_gets_its_own(engines, embeds, monkeypatch):
+    engine = engines["dense"]
+    layers = engine.model.batched_step.mamba_layers
+    inputs = []
+    original = BatchedStep.__call__
+
+    def spy(self, prev_text, audio, prev_function, states, caches):
+        inputs.append(states)
+        return original(self, prev_text, audio, prev_function, states, caches)
+
+    monkeypatch.setattr(BatchedStep, "__call__", spy)
+    sessions = [_open(engine, k) for k in (0, 2, 0)]
+    rows = _inputs(embeds, 0, 4)
+    engine.step_batch([(s, rows[0], False, None) for s in sessions])
+    (pool,) = engine._pools.values()
+    engine.step_batch([(s, rows[1], False, None) for s in reversed(sessions)])  # any order: the same group
+    assert all(a is b for a, b in zip(inputs[1], pool.stacked, strict=True))  # taken as they were
+    (pool,) = engine._pools.values()
+    assert pool.intact(layers) and pool.sessions == tuple(sessions)
+    views = [np.array(a) for a in pool.rows[2]]
+    engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third is left behind
+    (pool,) = engine._pools.values()
+    assert pool.sessions == tuple(sessions[:2])
+    own = [a for i in layers for a in (sessions[2].caches[i].conv, sessions[2].caches[i].ssm)]
+    assert all(np.array_equal(a, b) for a, b in zip(own, views, strict=True))
+    assert all(a.shape[0] == 1 for a in own)
+    # The three go on equal to sessions that stepped alone (the third one frame behind).
+    out = engine.step_batch([(sessions[0], rows[3], True, 3), (sessions[1], rows[3], True, 3),
+                             (sessions[2], rows[2], True, 2)])
+    for k, o, n in zip((0, 2, 0), out, (4, 4, 3), strict=True):
+        want = _solo_rows(engine, k, rows[:n])[-1]
+        assert (o.text_id, o.function_id) == (want.text_id, want.function_id)
+        assert _max_diff(o, want) <= LOGIT_TOLERANCE
+    for s in sessions:
+        engine.close_session(s)
+    assert not engine._pools
