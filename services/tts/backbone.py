@@ -17,6 +17,7 @@ stacked and zero-padded to the longest, the padding masked out:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -182,12 +183,17 @@ class Attention:
         pairs = list(zip(seen, caches, strict=True))
         keys = mx.concatenate([_padded(sk, cache.keys, width) for (sk, _), cache in pairs], axis=0)
         values = mx.concatenate([_padded(sv, cache.values, width) for (_, sv), cache in pairs], axis=0)
-        mask = None  # a single query sees every key of its own cache, as in the solo step
-        if min(lengths) < width:
-            rows = np.repeat(np.asarray(lengths), per)
-            mask = mx.array(np.arange(width)[None, :] < rows[:, None])[:, None, None, :]
+        # a single query sees every key of its own cache, as in the solo step; only the padding is masked
+        mask = _length_mask(tuple(lengths), per) if min(lengths) < width else None
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+@functools.lru_cache(maxsize=8)  # the layers of one kind share a step's mask: built once, not per layer
+def _length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
+    """(len(lengths) * per, 1, 1, max(lengths)) bool: row r sees the first lengths[r // per] keys."""
+    rows = np.repeat(np.asarray(lengths), per)
+    return mx.array(np.arange(max(lengths))[None, :] < rows[:, None])[:, None, None, :]
 
 
 def _padded(seen: mx.array, buffer: mx.array, width: int) -> mx.array:
