@@ -7,13 +7,22 @@ over keys is order-sensitive in the last bit:
 
     caches = backbone.make_caches()
     h = backbone(x, caches)          # x: (B, T, D) float32 -> (B, T, D)
+
+Several sessions' single-frame steps run as one batch: rows 2i and 2i + 1 are session i's (its caches hold
+those two rows), each session's keys are written to its own caches and attention runs over their keys
+stacked and zero-padded to the longest, the padding masked out:
+
+    h = backbone.step_batch(x, [caches_0, caches_1])   # x: (2 * sessions, 1, D) -> (2 * sessions, 1, D)
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
@@ -156,6 +165,47 @@ class Attention:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
+    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array) -> mx.array:
+        """x: (R, 1, D), rows r // per of session caches[r // per]; offsets: (R,) each row's cache offset."""
+        b, t, _ = x.shape
+        per = b // len(caches)
+        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.q_norm(q), self.k_norm(k)
+        dims = q.shape[-1]
+        q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offsets)
+        k = mx.fast.rope(k, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offsets)
+        seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
+                for i, cache in enumerate(caches)]
+        lengths = [sk.shape[2] for sk, _ in seen]
+        width = max(lengths)
+        pairs = list(zip(seen, caches, strict=True))
+        keys = mx.concatenate([_padded(sk, cache.keys, width) for (sk, _), cache in pairs], axis=0)
+        values = mx.concatenate([_padded(sv, cache.values, width) for (_, sv), cache in pairs], axis=0)
+        # a single query sees every key of its own cache, as in the solo step; only the padding is masked
+        mask = _length_mask(tuple(lengths), per) if min(lengths) < width else None
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+@functools.lru_cache(maxsize=8)  # the layers of one kind share a step's mask: built once, not per layer
+def _length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
+    """(len(lengths) * per, 1, 1, max(lengths)) bool: row r sees the first lengths[r // per] keys."""
+    rows = np.repeat(np.asarray(lengths), per)
+    return mx.array(np.arange(max(lengths))[None, :] < rows[:, None])[:, None, None, :]
+
+
+def _padded(seen: mx.array, buffer: mx.array, width: int) -> mx.array:
+    """A cache's visible keys (a prefix of its buffer) widened to `width` keys: the buffer's next (unused,
+    masked) slots when it has them, else zeros."""
+    n = seen.shape[2]
+    if n == width:
+        return seen
+    if buffer.shape[2] >= width:
+        return buffer[..., :width, :]
+    return mx.pad(seen, [(0, 0), (0, 0), (0, width - n), (0, 0)])
+
 
 @dataclass
 class Block:
@@ -168,6 +218,10 @@ class Block:
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn.step_batch(self.input_layernorm(x), caches, offsets))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -218,4 +272,12 @@ class Gemma3Backbone:
                 masks[kind] = cache.mask(n)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             x = layer(x, masks[self.config.is_global_layer(i)], cache)
+        return self.norm(x)
+
+    def step_batch(self, x: mx.array, caches: Sequence[list[FullCache | RingCache]]) -> mx.array:
+        """x: (2S, 1, D), rows 2i and 2i + 1 of session i (caches[i]) -> (2S, 1, D); advances every cache by 1."""
+        per = x.shape[0] // len(caches)
+        offsets = mx.array(np.repeat([own[0].offset for own in caches], per).astype(np.int32))
+        for i, layer in enumerate(self.layers):
+            x = layer.step_batch(x, [own[i] for own in caches], offsets)
         return self.norm(x)

@@ -3,6 +3,10 @@
     engine = TTSEngine.load(model_dir)
     session = engine.open_session(seed=0, prompt_codes=codes, prefix_steps=0)   # codes: (37, 31) int32
     raw, clean = session.step(text_id)                                          # each (31,) int32
+    results = engine.step_batch([(session, text_id), (other, other_id)])        # one forward for both
+
+step_batch returns, per entry, what that session's step returns, or the ValueError it raises (that session
+left as it was); every session's caches, key, previous code and step count advance exactly as by step().
 
 The prompt codes are the codec's encoding of (frames + 1) * 1764 zero samples with frames 0 and frames - 1
 set to the mask index, last frame dropped; the orchestrator gets them from the codec service.
@@ -10,6 +14,7 @@ set to the mask index, last frame dropped; the orchestrator gets them from the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +111,56 @@ class TTSEngine:
         """Warm up a new session on the speaker prompt, then run `prefix_steps` pad steps."""
         return TTSSession(self, seed, prompt_codes, prefix_steps)
 
+    def step_batch(self, steps: Sequence[tuple[TTSSession, int]]
+                   ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+        """`session.step(text_id)` for every (session, text_id), the valid ones as one batched forward.
+
+        Entry i of the result is what entry i's step returns ((raw, clean) codes, each (Q,) int32) or the
+        ValueError it raises, with that session untouched. One entry, or a session that cannot join (caches
+        not created), takes the solo path. Codes equal the solo ones up to the rounding of batched matmuls.
+        """
+        results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(steps)
+        batch: list[int] = []
+        seen: set[int] = set()
+        for i, (session, text_id) in enumerate(steps):
+            try:
+                if session.engine is not self:
+                    raise ValueError("the session belongs to another engine")
+                if id(session) in seen:
+                    raise ValueError("a session may step only once per batch")
+                seen.add(id(session))
+                self.check_text_id(text_id)
+            except ValueError as error:
+                results[i] = error
+                continue
+            if len(steps) > 1 and session.can_batch:
+                batch.append(i)
+            else:
+                results[i] = session.step(text_id)  # validated: it does not raise for input
+        if len(batch) == 1:
+            session, text_id = steps[batch[0]]
+            results[batch[0]] = session.step(text_id)
+        elif batch:
+            for i, codes in zip(batch, self._step_together([steps[i] for i in batch]), strict=True):
+                results[i] = codes
+        return results
+
+    def _step_together(self, steps: Sequence[tuple[TTSSession, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        sessions = [session for session, _ in steps]
+        ids = [int(text_id) for _, text_id in steps]
+        eos = self.config.eos_token_id
+        previous = mx.concatenate([self.silence_codes[None, None, :] if text_id == eos else session.previous
+                                   for session, text_id in zip(sessions, ids, strict=True)], axis=0)
+        codes = self.model.step_batch(previous, ids, self.table, [s.caches for s in sessions],
+                                      [s.rng for s in sessions])
+        both = mx.stack([codes[:, 0], self.clean(codes)[:, 0]], axis=1)  # (S, 2, Q): raw and clean, one read
+        mx.eval(codes, both)
+        rows = np.array(both, dtype=np.int32)
+        for i, session in enumerate(sessions):
+            session.previous = codes[i : i + 1]
+            session.steps += 1
+        return [(row[0], row[1]) for row in rows]
+
 
 class TTSSession:
     """One stream's state: backbone caches, random key, the code fed back next step."""
@@ -135,6 +190,11 @@ class TTSSession:
         self.steps = 0
         for _ in range(prefix_steps):
             self.step(engine.config.pad_token_id)
+
+    @property
+    def can_batch(self) -> bool:
+        """Whether every cache exists (warm-up made them), so the step can join a batched forward."""
+        return all(cache.keys is not None for cache in self.caches)
 
     def step(self, text_id: int) -> tuple[np.ndarray, np.ndarray]:
         """One timeline position: text id in -> (raw codes, clean codes), each (Q,) int32."""

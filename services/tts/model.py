@@ -5,12 +5,14 @@ All functions of weights and inputs; the per-session state (caches, key, previou
     caches = tts.backbone.make_caches()
     tts.warmup(prompt_codes, prompt_latent, pad_id, table, caches)        # prompt_codes: (1, P, Q)
     codes = tts.step(previous_code, text_id, table, caches, rng)          # (1, 1, Q) -> (1, 1, Q)
+    codes = tts.step_batch(previous_codes, text_ids, table, [caches, ...], [rng, ...])  # (S, 1, Q) -> (S, 1, Q)
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,7 +23,7 @@ from services.common.layers import Linear
 from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
 from services.tts.blocks import OffsetRMSNorm
 from services.tts.mog import MoGHead
-from services.tts.rng import KeySequence, SessionKey
+from services.tts.rng import BatchKeySequence, KeySequence, SessionKey, take_batch
 from services.tts.subword import CharAwareSubwordEncoder, CharTable
 
 Caches = list[FullCache | RingCache]
@@ -141,13 +143,32 @@ class EarTts:
         inputs = self._fuse_guided(self.embed_codes(previous_code), cond)
         return self.generate_codes(self.backbone(inputs, caches), rng)
 
+    def step_batch(self, previous_codes: mx.array, text_ids: Sequence[int], table: CharTable,
+                   caches: Sequence[Caches], rngs: Sequence[SessionKey]) -> mx.array:
+        """`step` for S sessions at once: previous_codes (S, 1, Q) -> codes (S, 1, Q) int32; row i advances
+        caches[i] and rngs[i] as session i's own step would, drawing exactly its numbers."""
+        cond = self.embed_subword.embed_rows(list(text_ids), table)  # (S, 1, D)
+        null = mx.broadcast_to(self.null_emb, cond.shape).astype(cond.dtype)
+        text = mx.stack([cond, null], axis=1).reshape(-1, *cond.shape[1:])  # cond, null rows per session
+        audio = mx.repeat(self.embed_codes(previous_codes), 2, axis=0)
+        hidden = self.backbone.step_batch(self.fusion(audio, text), caches)
+        hidden = mx.concatenate([hidden[0::2], hidden[1::2]], axis=0)  # every cond row, then every uncond row
+        return self._compiled_generate_batch(hidden, take_batch(rngs, self._draws))
+
+    @property
+    def _draws(self) -> int:
+        return 2 * sum(1 for count in self._schedule() if count)  # a uniform and a normal per MoG call
+
+    @functools.cached_property
+    def _compiled_generate_batch(self):
+        return mx.compile(lambda hidden, keys: self.generate_codes_with(hidden, BatchKeySequence(keys)))
+
     def generate_codes(self, hidden: mx.array, rng: SessionKey) -> mx.array:
         """hidden: (2, T, D) cond/uncond -> codes (1, T, Q): masked iterative RVQ refinement.
 
         Runs as one compiled graph (five MoG calls and 31 codebook picks are hundreds of small ops); the keys
         its draws use are taken from `rng` first, in draw order, so the numbers are those of the plain path."""
-        draws = 2 * sum(1 for count in self._schedule() if count)  # a uniform and a normal per MoG call
-        return self._compiled_generate(hidden, rng.take(draws))
+        return self._compiled_generate(hidden, rng.take(self._draws))
 
     def _schedule(self) -> list[int]:
         cfg = self.config
@@ -157,10 +178,14 @@ class EarTts:
     def _compiled_generate(self):
         return mx.compile(lambda hidden, keys: self.generate_codes_with(hidden, KeySequence(keys)))
 
-    def generate_codes_with(self, hidden: mx.array, rng: SessionKey | KeySequence) -> mx.array:
-        """The refinement itself, drawing from `rng` (uncompiled: tests compare both paths)."""
+    def generate_codes_with(self, hidden: mx.array, rng: SessionKey | KeySequence | BatchKeySequence
+                            ) -> mx.array:
+        """The refinement itself, drawing from `rng` (uncompiled: tests compare both paths).
+
+        hidden: (2B, T, D), B cond rows then B uncond rows -> codes (B, T, Q)."""
         cfg = self.config
-        cond, uncond = hidden[:1], hidden[1:]
+        half = hidden.shape[0] // 2
+        cond, uncond = hidden[:half], hidden[half:]
         codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.int32) for _ in range(cfg.num_quantizers)]
         done = 0
         for count in self._schedule():

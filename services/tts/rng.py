@@ -11,6 +11,9 @@ touching (or being disturbed by) the global state:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 
@@ -56,3 +59,50 @@ class KeySequence:
 
     def normal(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.normal(shape, key=self._key())
+
+
+@functools.cache
+def _split_chain(count: int):
+    """keys (B, 2) -> (the keys after `count` splits (B, 2), the `count` draw keys (B, count, 2)), row by row."""
+    split_rows = mx.vmap(mx.random.split)
+
+    def chain(keys: mx.array) -> tuple[mx.array, mx.array]:
+        subs = []
+        for _ in range(count):
+            pair = split_rows(keys)  # (B, 2, 2): the kept half, the drawn half
+            keys = pair[:, 0]
+            subs.append(pair[:, 1])
+        return keys, mx.stack(subs, axis=1)
+
+    return mx.compile(chain)
+
+
+def take_batch(rngs: Sequence[SessionKey], count: int) -> mx.array:
+    """`mx.stack([rng.take(count) for rng in rngs])`, (B, count, 2), split for all sessions at once."""
+    keys, subs = _split_chain(count)(mx.stack([rng._key for rng in rngs]))
+    for i, rng in enumerate(rngs):
+        rng._key = keys[i]
+    return subs
+
+
+class BatchKeySequence:
+    """KeySequence for B sessions: keys (B, count, 2). A draw of shape (B, ...) gives row i exactly the numbers
+    session i's own draw of shape (1, ...) with its own key gives (never a key shared across rows)."""
+
+    def __init__(self, keys: mx.array):
+        self._keys = keys
+        self._next = 0
+
+    def _draw(self, draw, shape: tuple[int, ...]) -> mx.array:
+        if shape[0] != self._keys.shape[0]:
+            raise ValueError(f"a batched draw needs one row per session ({self._keys.shape[0]}), got {shape}")
+        keys = self._keys[:, self._next]
+        self._next += 1
+        row = (1, *shape[1:])
+        return mx.vmap(lambda key: draw(row, key))(keys).reshape(shape)
+
+    def uniform(self, shape: tuple[int, ...]) -> mx.array:
+        return self._draw(lambda row, key: mx.random.uniform(shape=row, key=key), shape)
+
+    def normal(self, shape: tuple[int, ...]) -> mx.array:
+        return self._draw(lambda row, key: mx.random.normal(row, key=key), shape)

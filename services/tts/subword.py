@@ -184,3 +184,26 @@ class CharAwareSubwordEncoder:
         out = out + self.cont_emb(self.is_continuation[cont])
         special = mx.where(ids >= self.special_flags.shape[0], self.special_pad, ids)
         return out + self.special_emb(self.special_flags[special])
+
+    def embed_rows(self, ids: list[int], table: CharTable) -> mx.array:
+        """`embed_known` of N single ids, (N, 1, out), each row as that id's own (1, 1) call computes it.
+
+        Ids are encoded in groups of equal character count, so no row is padded (padding would change the
+        attention and pooling sums); one character-encoder pass per distinct length.
+        """
+        column = mx.array(ids, mx.int32)[:, None]
+        dtype = self.embed_tokens(mx.array([0])).dtype
+        out = mx.zeros((len(ids), 1, self.proj_embedding.out_features), dtype=dtype)
+        groups: dict[int, list[int]] = {}
+        for row, i in enumerate(ids):
+            groups.setdefault(len(table.subword_chars.get(i, ())), []).append(row)
+        for length, rows in sorted(groups.items()):
+            if length == 0:
+                continue
+            chars, lengths = table.batch([ids[r] for r in rows])
+            projected = self.encode_chars(chars, lengths)
+            out = out.at[mx.array(rows, mx.int32), mx.zeros((len(rows),), mx.int32)].add(projected)
+        cont = mx.where(column >= self.is_continuation.shape[0] - 1, self.cont_pad, column)
+        out = out + self.cont_emb(self.is_continuation[cont])
+        special = mx.where(column >= self.special_flags.shape[0], self.special_pad, column)
+        return out + self.special_emb(self.special_flags[special])
