@@ -144,6 +144,19 @@ class Proposal:
         return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
 
 
+@dataclass
+class BatchProposal:
+    """`Proposal`s of B sessions built as one graph: enc_proj (B, 1, J), ids (B, n) uint32, states[i] per-layer
+    (h, c) lists of (B, H) rows: what accepting step i leaves each session."""
+
+    enc_proj: mx.array
+    ids: mx.array
+    states: list[tuple[list[mx.array], list[mx.array]]]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
+
+
 SYMBOLS_PER_READ = 2  # greedy steps built per host read: most frames emit none or one symbol
 
 
@@ -179,6 +192,40 @@ class RNNT:
         if self.max_symbols <= 0:
             return None
         return self.propose(state, self.joint.enc(frame), min(SYMBOLS_PER_READ, self.max_symbols), frame.dtype)
+
+    def begin_batch(
+        self, states: list[RNNTState], frames: mx.array, lstm: tuple[list[mx.array], list[mx.array]]
+    ) -> BatchProposal | None:
+        """`begin_frame` for B sessions at once: frames (B, 1, d_model), row b for states[b]; lstm: per-layer
+        (h, c) of (B, H), the sessions' LSTM states with zero rows where a state is None. A zero row gives what
+        the solo step's missing state gives (x @ W of zeros adds exactly nothing, f * 0 + i * g == i * g),
+        and a blank's zero input likewise; only the matmuls over B rows may round differently."""
+        if self.max_symbols <= 0:
+            return None
+        dtype = frames.dtype
+        b = frames.shape[0]
+        enc_proj = self.joint.enc(frames)
+        blank = [s.last_token == self.blank for s in states]
+        x = self.prediction.embed(mx.array([0 if z else s.last_token for z, s in zip(blank, states, strict=True)],
+                                            dtype=mx.int32))
+        if any(blank):
+            x = mx.where(mx.array(blank)[:, None], 0, x)
+        hs, cs = lstm
+        ids, out = [], []
+        for step in range(min(SYMBOLS_PER_READ, self.max_symbols)):
+            if step:  # the previous step's id; a blank's lookup kept in range as in `propose`
+                x = self.prediction.embed(mx.minimum(ids[-1], self.prediction.embed.num_embeddings - 1)
+                                          .astype(mx.int32))
+            new_h, new_c = [], []
+            for layer, h, c in zip(self.prediction.layers, hs, cs, strict=True):
+                x, c = layer(x, h, c)
+                new_h.append(x)
+                new_c.append(c)
+            logits = self.joint(enc_proj, x[:, None].astype(dtype))  # (B, 1, 1, V + 1)
+            ids.append(mx.argmax(logits.reshape(b, -1), axis=-1))
+            hs, cs = [h.astype(dtype) for h in new_h], [c.astype(dtype) for c in new_c]
+            out.append((hs, cs))
+        return BatchProposal(enc_proj, mx.stack(ids, axis=1), out)
 
     def end_frame(self, state: RNNTState, proposal: Proposal | None) -> list[int]:
         """Accept the proposed steps up to the first blank, proposing more while every step emitted (at most
