@@ -25,7 +25,15 @@ from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
 from services.perception.conformer import Conformer, Conv
 from services.perception.mel import MelStream, log_mel
-from services.perception.rnnt import RNNT, JointNetwork, PredictionNetwork, Proposal, RNNTState, pieces_to_text
+from services.perception.rnnt import (
+    RNNT,
+    SYMBOLS_PER_READ,
+    BatchProposal,
+    JointNetwork,
+    PredictionNetwork,
+    RNNTState,
+    pieces_to_text,
+)
 from services.perception.streaming import EncoderStream
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
@@ -266,30 +274,55 @@ class PerceptionEngine:
         rnnt = self.rnnt
         proposal = None
         if rnnt.vocabulary:
-            layers = range(len(rnnt.prediction.layers))
-            zero = self._zero_lstm_row
-            lstm = ([rows.gather([s.rnnt.lstm[0][n] if s.rnnt.lstm else zero for s in streams]) for n in layers],
-                    [rows.gather([s.rnnt.lstm[1][n] if s.rnnt.lstm else zero for s in streams]) for n in layers])
-            proposal = rnnt.begin_batch([s.rnnt for s in streams], h, lstm)
+            proposal = rnnt.begin_batch([s.rnnt for s in streams], h, self._lstm_rows(streams))
         outputs = [(embedding[b, 0], h[b, 0]) for b in range(len(streams))]
         # the batch's one evaluation: every output, every cache and the first greedy RNNT steps together
         mx.eval(*(a for pair in outputs for a in pair), *attn, *conv,
                 *(a for s in streams for a in (*s.mel.arrays(), s.encoder.mel_cache)),
                 *(proposal.arrays() if proposal is not None else ()))
-        ids = proposal.ids.tolist() if proposal is not None else None
-        states = [([rows.split(a) for a in hs], [rows.split(a) for a in cs]) for hs, cs in proposal.states] \
-            if proposal is not None else []
+        transcripts = self._finish_batch(streams, proposal) if rnnt.vocabulary else [([], "")] * len(streams)
         results = []
-        for b, (stream, (emb, enc_out)) in enumerate(zip(streams, outputs, strict=True)):
-            emitted, delta = [], ""
-            if rnnt.vocabulary:
-                own = None if proposal is None else Proposal(
-                    proposal.enc_proj[b : b + 1], mx.array(ids[b], dtype=mx.uint32),
-                    [([r[b] for r in hs], [r[b] for r in cs]) for hs, cs in states])
-                emitted, delta = rnnt.finish_transcript(stream.rnnt, own)
+        for stream, (emb, enc_out), (emitted, delta) in zip(streams, outputs, transcripts, strict=True):
             results.append(StreamFrame(stream.frame_index, emb, enc_out, delta, stream.rnnt.text, emitted))
             stream.frame_index += 1
         return results
+
+    def _lstm_rows(self, streams: list[PerceptionStream]) -> tuple[list[mx.array], list[mx.array]]:
+        """The sessions' LSTM states as per-layer (h, c) of (B, H); zero rows where a state is None."""
+        zero, layers = self._zero_lstm_row, range(len(self.rnnt.prediction.layers))
+        return tuple([self._rows.gather([s.rnnt.lstm[part][n] if s.rnnt.lstm else zero for s in streams])
+                      for n in layers] for part in range(2))  # type: ignore[return-value]
+
+    def _finish_batch(
+        self, streams: list[PerceptionStream], proposal: BatchProposal | None
+    ) -> list[tuple[list[int], str]]:
+        """`RNNT.finish_transcript` of every session: one host read per round of greedy steps, the sessions
+        whose every step emitted proposing their next steps together (at most max_symbols / 2 rounds)."""
+        rnnt = self.rnnt
+        before = [len(s.rnnt.token_ids) for s in streams]
+        emitted: list[list[int]] = [[] for _ in streams]
+        active = list(range(len(streams)))  # row j of `proposal` is streams[active[j]]
+        while proposal is not None:
+            ids = proposal.ids.tolist()
+            states = [([self._rows.split(a) for a in hs], [self._rows.split(a) for a in cs])
+                      for hs, cs in proposal.states]
+            more = []
+            for j, b in enumerate(active):
+                left = rnnt.max_symbols - len(emitted[b])  # a row may be proposed more steps than it has left
+                own = [([r[j] for r in hs], [r[j] for r in cs]) for hs, cs in states]
+                if rnnt.accept(streams[b].rnnt, ids[j][:left], own, emitted[b]):
+                    more.append(j)
+            if not more:
+                break
+            steps = min(SYMBOLS_PER_READ, max(rnnt.max_symbols - len(emitted[active[j]]) for j in more))
+            enc_proj = proposal.enc_proj if len(more) == len(active) else \
+                proposal.enc_proj[mx.array(more, dtype=mx.int32)]
+            active = [active[j] for j in more]
+            proposal = rnnt.propose_batch([streams[b].rnnt for b in active], enc_proj,
+                                          self._lstm_rows([streams[b] for b in active]), steps,
+                                          proposal.states[0][0][0].dtype)
+            mx.eval(proposal.arrays())
+        return [(emitted[b], rnnt.update_text(s.rnnt, before[b])) for b, s in enumerate(streams)]
 
 
 def _solo(stream: PerceptionStream, frame: mx.array | np.ndarray) -> StreamFrame | ValueError:
