@@ -215,7 +215,8 @@ class PerceptionEngine:
 
         Sessions past their warm-up (attention caches full) whose encoder windows share one shape run the
         conformer step, the projection and the RNNT's first greedy steps as one batched graph with one
-        evaluation; the log-mel front end and the RNNT's host-side finish stay per session. A batch of one,
+        evaluation; sessions whose every greedy step emitted propose their next ones together, one host read
+        per round. The log-mel front end stays per session. A batch of one,
         a session still filling its caches, and a session alone with its window shape take the solo path."""
         streams = [stream for stream, _ in frames]
         if len({id(s) for s in streams}) != len(streams):
