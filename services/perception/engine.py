@@ -4,6 +4,7 @@
     result = engine.encode(waveform)            # offline turn: full-utterance encoder
     stream = engine.open_stream()               # online session: cache-aware streaming encoder
     frame = stream.push(samples_1280)
+    frames = engine.push_batch([(stream, samples), (other, samples2)])  # several sessions' frames as one step
 
 No gRPC here; all calls of one engine must come from one thread (MLX evaluation is thread-affine).
 """
@@ -11,6 +12,8 @@ No gRPC here; all calls of one engine must come from one thread (MLX evaluation 
 from __future__ import annotations
 
 import json
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,15 @@ from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
 from services.perception.conformer import Conformer, Conv
 from services.perception.mel import MelStream, log_mel
-from services.perception.rnnt import RNNT, JointNetwork, PredictionNetwork, RNNTState, pieces_to_text
+from services.perception.rnnt import (
+    RNNT,
+    SYMBOLS_PER_READ,
+    BatchProposal,
+    JointNetwork,
+    PredictionNetwork,
+    RNNTState,
+    pieces_to_text,
+)
 from services.perception.streaming import EncoderStream
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
@@ -86,6 +97,45 @@ def check_waveform(samples: np.ndarray | mx.array, sample_rate_hz: int, expected
     return mx.array(arr.astype(np.float32, copy=False))
 
 
+class RowSources:
+    """Which batched array each per-session cache row is a slice of, so the next batched step gathers the
+    rows back with one copy per source array and one take, rather than one copy per session.
+
+        rows = sources.split(batched)          # (B, ...) -> B rows of (1, ...), remembered
+        again = sources.gather(rows)           # the same array, no copy; a subset or reorder is one take
+    """
+
+    def __init__(self):
+        self._rows: dict[int, tuple[mx.array, mx.array, int]] = {}  # id(row) -> (row, batched, index)
+
+    def split(self, batched: mx.array) -> list[mx.array]:
+        rows = [batched[b : b + 1] for b in range(batched.shape[0])]
+        for b, row in enumerate(rows):
+            self._rows[id(row)] = (row, batched, b)
+        return rows
+
+    def gather(self, rows: list[mx.array]) -> mx.array:
+        """rows: B arrays (1, ...) of one shape -> (B, ...)."""
+        sources: list[mx.array] = []
+        offsets: dict[int, int] = {}
+        index = []
+        for row in rows:
+            known = self._rows.get(id(row))
+            source, b = (known[1], known[2]) if known is not None and known[0] is row else (row, 0)
+            if id(source) not in offsets:
+                offsets[id(source)] = sum(a.shape[0] for a in sources)
+                sources.append(source)
+            index.append(offsets[id(source)] + b)
+        stacked = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=0)
+        if index == list(range(stacked.shape[0])):
+            return stacked
+        return stacked[mx.array(index, dtype=mx.int32)]
+
+    def keep(self, held: set[int]) -> None:
+        """Forget every row whose id is not in `held` (the rows the live sessions still hold)."""
+        self._rows = {k: v for k, v in self._rows.items() if k in held}
+
+
 class PerceptionEngine:
     """Weights of the perception and RNNT networks; stateless apart from them."""
 
@@ -96,6 +146,9 @@ class PerceptionEngine:
         self.rnnt = rnnt
         self.frame_samples = config.input_frame_samples
         self.sample_rate = config.input_sample_rate
+        self._rows = RowSources()
+        self._batched_streams: weakref.WeakSet[PerceptionStream] = weakref.WeakSet()
+        self._zero_lstm_row = mx.zeros((1, rnnt.prediction.hidden), dtype=mx.float32)
 
     @classmethod
     def load(cls, model_dir: str | Path, float32_weights: bool = False) -> PerceptionEngine:
@@ -154,6 +207,131 @@ class PerceptionEngine:
     def open_stream(self) -> PerceptionStream:
         return PerceptionStream(self)
 
+    def push_batch(
+        self, frames: Sequence[tuple[PerceptionStream, mx.array | np.ndarray]]
+    ) -> list[StreamFrame | Exception]:
+        """`stream.push(frame)` for several sessions as one step; entry i's result is what that push returns,
+        or the ValueError it raises (that session's state untouched).
+
+        Sessions past their warm-up (attention caches full) whose encoder windows share one shape run the
+        conformer step, the projection and the RNNT's first greedy steps as one batched graph with one
+        evaluation; sessions whose every greedy step emitted propose their next ones together, one host read
+        per round. The log-mel front end stays per session. A batch of one,
+        a session still filling its caches, and a session alone with its window shape take the solo path."""
+        streams = [stream for stream, _ in frames]
+        if len({id(s) for s in streams}) != len(streams):
+            raise ValueError("a stream appears more than once in one batch")
+        if any(s.engine is not self for s in streams):
+            raise ValueError("every stream of a batch must come from this engine")
+        results: list[StreamFrame | Exception | None] = [None] * len(frames)
+        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array]]] = {}
+        for i, (stream, frame) in enumerate(frames):
+            if len(frames) == 1 or not stream.batchable:
+                results[i] = _solo(stream, frame)
+                continue
+            try:
+                samples = stream.check_frame(frame)
+            except ValueError as e:
+                results[i] = e
+                continue
+            mel = stream.mel.push(samples)[None]
+            if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
+                results[i] = stream.emit(stream.encoder.push(mel))
+                continue
+            span = stream.encoder.begin_frame(mel)
+            if span is None:
+                results[i] = stream.emit([])  # raises, as push would
+                continue
+            window, lo, hi = span
+            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window))
+        for (_, lo, hi), members in groups.items():
+            if len(members) == 1:
+                i, stream, window = members[0]
+                enc = stream.encoder
+                h, enc.attn_caches, enc.conv_caches = enc.step_fn(window, lo, hi, enc.attn_caches, enc.conv_caches)
+                results[i] = stream.emit([h])
+                continue
+            batch = [stream for _, stream, _ in members]
+            out = self._step_batch(batch, mx.concatenate([w for _, _, w in members], axis=0), lo, hi)
+            for (i, _, _), result in zip(members, out, strict=True):
+                results[i] = result
+        self._batched_streams.update(s for s in streams if s.batchable)
+        self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
+        return results  # type: ignore[return-value]
+
+    def _step_batch(self, streams: list[PerceptionStream], window: mx.array, lo: int, hi: int) -> list[StreamFrame]:
+        """window: (B, W, n_mels), row b the mel window of streams[b] (every counter already advanced)."""
+        rows = self._rows
+        encoders = [s.encoder for s in streams]
+        n_layers = len(encoders[0].attn_caches)
+        attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
+        conv = [rows.gather([e.conv_caches[n] for e in encoders]) for n in range(n_layers)]
+        h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
+        attn_rows, conv_rows = [rows.split(a) for a in attn], [rows.split(c) for c in conv]
+        for b, e in enumerate(encoders):
+            e.attn_caches = [r[b] for r in attn_rows]
+            e.conv_caches = [r[b] for r in conv_rows]
+        embedding = self.proj(h)  # (B, 1, hidden)
+        rnnt = self.rnnt
+        proposal = None
+        if rnnt.vocabulary:
+            proposal = rnnt.begin_batch([s.rnnt for s in streams], h, self._lstm_rows(streams))
+        outputs = [(embedding[b, 0], h[b, 0]) for b in range(len(streams))]
+        # the batch's one evaluation: every output, every cache and the first greedy RNNT steps together
+        mx.eval(*(a for pair in outputs for a in pair), *attn, *conv,
+                *(a for s in streams for a in (*s.mel.arrays(), s.encoder.mel_cache)),
+                *(proposal.arrays() if proposal is not None else ()))
+        transcripts = self._finish_batch(streams, proposal) if rnnt.vocabulary else [([], "")] * len(streams)
+        results = []
+        for stream, (emb, enc_out), (emitted, delta) in zip(streams, outputs, transcripts, strict=True):
+            results.append(StreamFrame(stream.frame_index, emb, enc_out, delta, stream.rnnt.text, emitted))
+            stream.frame_index += 1
+        return results
+
+    def _lstm_rows(self, streams: list[PerceptionStream]) -> tuple[list[mx.array], list[mx.array]]:
+        """The sessions' LSTM states as per-layer (h, c) of (B, H); zero rows where a state is None."""
+        zero, layers = self._zero_lstm_row, range(len(self.rnnt.prediction.layers))
+        return tuple([self._rows.gather([s.rnnt.lstm[part][n] if s.rnnt.lstm else zero for s in streams])
+                      for n in layers] for part in range(2))  # type: ignore[return-value]
+
+    def _finish_batch(
+        self, streams: list[PerceptionStream], proposal: BatchProposal | None
+    ) -> list[tuple[list[int], str]]:
+        """`RNNT.finish_transcript` of every session: one host read per round of greedy steps, the sessions
+        whose every step emitted proposing their next steps together (at most max_symbols / 2 rounds)."""
+        rnnt = self.rnnt
+        before = [len(s.rnnt.token_ids) for s in streams]
+        emitted: list[list[int]] = [[] for _ in streams]
+        active = list(range(len(streams)))  # row j of `proposal` is streams[active[j]]
+        while proposal is not None:
+            ids = proposal.ids.tolist()
+            states = [([self._rows.split(a) for a in hs], [self._rows.split(a) for a in cs])
+                      for hs, cs in proposal.states]
+            more = []
+            for j, b in enumerate(active):
+                left = rnnt.max_symbols - len(emitted[b])  # a row may be proposed more steps than it has left
+                own = [([r[j] for r in hs], [r[j] for r in cs]) for hs, cs in states]
+                if rnnt.accept(streams[b].rnnt, ids[j][:left], own, emitted[b]):
+                    more.append(j)
+            if not more:
+                break
+            steps = min(SYMBOLS_PER_READ, max(rnnt.max_symbols - len(emitted[active[j]]) for j in more))
+            enc_proj = proposal.enc_proj if len(more) == len(active) else \
+                proposal.enc_proj[mx.array(more, dtype=mx.int32)]
+            active = [active[j] for j in more]
+            proposal = rnnt.propose_batch([streams[b].rnnt for b in active], enc_proj,
+                                          self._lstm_rows([streams[b] for b in active]), steps,
+                                          proposal.states[0][0][0].dtype)
+            mx.eval(proposal.arrays())
+        return [(emitted[b], rnnt.update_text(s.rnnt, before[b])) for b, s in enumerate(streams)]
+
+
+def _solo(stream: PerceptionStream, frame: mx.array | np.ndarray) -> StreamFrame | ValueError:
+    try:
+        return stream.push(frame)
+    except ValueError as e:  # a bad frame fails before any state changes
+        return e
+
 
 class PerceptionStream:
     """One online session: streaming log-mel, streaming encoder and RNNT state; one push per 80 ms frame."""
@@ -169,16 +347,34 @@ class PerceptionStream:
     def transcript(self) -> str:
         return self.rnnt.text
 
+    @property
+    def batchable(self) -> bool:
+        """Past the warm-up: the next push is one compiled encoder step on full caches, nothing pending."""
+        enc = self.encoder
+        return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0) and enc.caches_full
+
+    def held_rows(self) -> list[mx.array]:
+        """The cache arrays this session holds (the encoder's per-layer caches and the LSTM state)."""
+        lstm = self.rnnt.lstm
+        return [*self.encoder.attn_caches, *self.encoder.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
+
     def push(self, frame: mx.array | np.ndarray) -> StreamFrame:
         """frame: (1280,) float32 -> this frame's projected embedding, encoder output and transcript delta."""
+        samples = self.check_frame(frame)
+        mel = self.mel.push(samples)
+        return self.emit(self.encoder.push(mel[None]))
+
+    def check_frame(self, frame: mx.array | np.ndarray) -> mx.array:
+        """frame: (1280,) float samples -> (1280,) float32; ValueError names what is wrong."""
         n = self.engine.frame_samples
         arr = np.asarray(frame)
         if arr.shape != (n,):
             raise ValueError(f"each stream frame must hold exactly {n} samples (80 ms), got shape {arr.shape}; "
                              "zero-pad a partial last frame")
-        samples = check_waveform(arr, self.engine.sample_rate, self.engine.sample_rate)
-        mel = self.mel.push(samples)
-        chunks = self.encoder.push(mel[None])
+        return check_waveform(arr, self.engine.sample_rate, self.engine.sample_rate)
+
+    def emit(self, chunks: list[mx.array]) -> StreamFrame:
+        """The rest of a push once the encoder ran: projection, RNNT, the frame's evaluation, the transcript."""
         if len(chunks) != 1 or chunks[0].shape[1] != 1:  # guards the frame alignment invariant
             raise RuntimeError(f"streaming encoder produced {[c.shape for c in chunks]} for one frame")
         encoded = chunks[0]

@@ -144,6 +144,19 @@ class Proposal:
         return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
 
 
+@dataclass
+class BatchProposal:
+    """`Proposal`s of B sessions built as one graph: enc_proj (B, 1, J), ids (B, n) uint32, states[i] per-layer
+    (h, c) lists of (B, H) rows: what accepting step i leaves each session."""
+
+    enc_proj: mx.array
+    ids: mx.array
+    states: list[tuple[list[mx.array], list[mx.array]]]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
+
+
 SYMBOLS_PER_READ = 2  # greedy steps built per host read: most frames emit none or one symbol
 
 
@@ -180,27 +193,74 @@ class RNNT:
             return None
         return self.propose(state, self.joint.enc(frame), min(SYMBOLS_PER_READ, self.max_symbols), frame.dtype)
 
+    def begin_batch(
+        self, states: list[RNNTState], frames: mx.array, lstm: tuple[list[mx.array], list[mx.array]]
+    ) -> BatchProposal | None:
+        """`begin_frame` for B sessions at once: frames (B, 1, d_model), row b for states[b]; lstm: per-layer
+        (h, c) of (B, H), the sessions' LSTM states with zero rows where a state is None. A zero row gives what
+        the solo step's missing state gives (x @ W of zeros adds exactly nothing, f * 0 + i * g == i * g),
+        and a blank's zero input likewise; only the matmuls over B rows may round differently."""
+        if self.max_symbols <= 0:
+            return None
+        steps = min(SYMBOLS_PER_READ, self.max_symbols)
+        return self.propose_batch(states, self.joint.enc(frames), lstm, steps, frames.dtype)
+
+    def propose_batch(
+        self, states: list[RNNTState], enc_proj: mx.array, lstm: tuple[list[mx.array], list[mx.array]], steps: int,
+        dtype: mx.Dtype,
+    ) -> BatchProposal:
+        """`propose` for B sessions at once; enc_proj: (B, 1, J), lstm as in `begin_batch`."""
+        b = enc_proj.shape[0]
+        blank = [s.last_token == self.blank for s in states]
+        x = self.prediction.embed(mx.array([0 if z else s.last_token for z, s in zip(blank, states, strict=True)],
+                                            dtype=mx.int32))
+        if any(blank):
+            x = mx.where(mx.array(blank)[:, None], 0, x)
+        hs, cs = lstm
+        ids, out = [], []
+        for step in range(steps):
+            if step:  # the previous step's id; a blank's lookup kept in range as in `propose`
+                x = self.prediction.embed(mx.minimum(ids[-1], self.prediction.embed.num_embeddings - 1)
+                                          .astype(mx.int32))
+            new_h, new_c = [], []
+            for layer, h, c in zip(self.prediction.layers, hs, cs, strict=True):
+                x, c = layer(x, h, c)
+                new_h.append(x)
+                new_c.append(c)
+            logits = self.joint(enc_proj, x[:, None].astype(dtype))  # (B, 1, 1, V + 1)
+            ids.append(mx.argmax(logits.reshape(b, -1), axis=-1))
+            hs, cs = [h.astype(dtype) for h in new_h], [c.astype(dtype) for c in new_c]
+            out.append((hs, cs))
+        return BatchProposal(enc_proj, mx.stack(ids, axis=1), out)
+
     def end_frame(self, state: RNNTState, proposal: Proposal | None) -> list[int]:
         """Accept the proposed steps up to the first blank, proposing more while every step emitted (at most
         `max_symbols` in all); advances `state` and returns the ids emitted (specials included, blanks not).
         One host read per proposal."""
         emitted: list[int] = []
         while proposal is not None:
-            ids = proposal.ids.tolist()
-            accepted = ids.index(self.blank) if self.blank in ids else len(ids)
-            if accepted:
-                state.last_token = ids[accepted - 1]
-                state.lstm = proposal.states[accepted - 1]
-            for best in ids[:accepted]:
-                emitted.append(best)
-                if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
-                    state.token_ids.append(best)
-            left = self.max_symbols - len(emitted)
-            if accepted < len(ids) or left <= 0:
+            if not self.accept(state, proposal.ids.tolist(), proposal.states, emitted):
                 break
             dtype = proposal.states[0][0][0].dtype
+            left = self.max_symbols - len(emitted)
             proposal = self.propose(state, proposal.enc_proj, min(SYMBOLS_PER_READ, left), dtype)
         return emitted
+
+    def accept(
+        self, state: RNNTState, ids: list[int], states: list[tuple[list[mx.array], list[mx.array]]],
+        emitted: list[int],
+    ) -> bool:
+        """Accept proposed `ids` up to the first blank (`states[i]`: the LSTM state step i leaves), appending to
+        `emitted`; True when every step emitted and `max_symbols` allows more, so the frame needs more steps."""
+        accepted = ids.index(self.blank) if self.blank in ids else len(ids)
+        if accepted:
+            state.last_token = ids[accepted - 1]
+            state.lstm = states[accepted - 1]
+        for best in ids[:accepted]:
+            emitted.append(best)
+            if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
+                state.token_ids.append(best)
+        return accepted == len(ids) and self.max_symbols - len(emitted) > 0
 
     def decode_frame(self, state: RNNTState, frame: mx.array) -> list[int]:
         """frame: (1, 1, d_model) encoder output. Advances `state`; returns every id emitted on this frame
@@ -216,10 +276,14 @@ class RNNT:
         """`transcript_update` for a frame whose first steps `begin_frame` already built."""
         before = len(state.token_ids)
         emitted = self.end_frame(state, proposal)
+        return emitted, self.update_text(state, before)
+
+    def update_text(self, state: RNNTState, before: int) -> str:
+        """Refresh `state.text` after a frame's emissions (state.token_ids[before:]); returns the delta."""
         if len(state.token_ids) == before:
-            return emitted, ""
+            return ""
         state.joined += _join(state.token_ids[before:], self.vocabulary)
         text = state.joined.strip()
         delta = text[len(state.text) :] if text.startswith(state.text) else text
         state.text = text
-        return emitted, delta
+        return delta

@@ -48,6 +48,33 @@ class EncoderStream:
         return out
 
     def _encode(self, mel: mx.array, to_edge: bool) -> mx.array | None:
+        span = self._advance(mel, to_edge)
+        if span is None:
+            return None
+        window, lo, hi = span
+        h, self.attn_caches, self.conv_caches = self.step_fn(window, lo, hi, self.attn_caches, self.conv_caches)
+        return h
+
+    @property
+    def step_fn(self):
+        """The encoder step to run now: compiled once the attention caches hold the full left context."""
+        # while the attention caches fill, their shapes change every push: run those pushes uncompiled
+        return self.encoder.compiled_stream_step if self.caches_full else self.encoder.stream_step
+
+    @property
+    def caches_full(self) -> bool:
+        return self.attn_caches[0].shape[1] == self.encoder.cfg.left_context
+
+    def begin_frame(self, mel: mx.array) -> tuple[mx.array, int, int] | None:
+        """`push` of one chunk (mel: (1, k, n_mels), k <= chunk_mel, nothing pending) up to the encoder step:
+        advances every counter and the mel cache and returns the step's (window, lo, hi), or None when the
+        push encodes nothing. The caller runs the step and stores the new caches."""
+        if (self.pending is not None and self.pending.shape[1]) or not 0 < mel.shape[1] <= self.chunk_mel:
+            raise ValueError(f"begin_frame takes one chunk of at most {self.chunk_mel} mel frames, nothing pending")
+        self.pending = mel[:, mel.shape[1] :]  # what push leaves: an empty remainder
+        return self._advance(mel, to_edge=True)
+
+    def _advance(self, mel: mx.array, to_edge: bool) -> tuple[mx.array, int, int] | None:
         cached = 0 if self.mel_cache is None else self.mel_cache.shape[1]
         window = mel if self.mel_cache is None else mx.concatenate([self.mel_cache, mel], axis=1)
         subsampled = subsampled_length(window.shape[1], self.encoder.cfg.subsampling_steps)
@@ -63,11 +90,7 @@ class EncoderStream:
             self.emitted = base + max(lo, hi)
             return None
         self.emitted = base + hi
-        # while the attention caches fill, their shapes change every push: run those pushes uncompiled
-        full = self.attn_caches[0].shape[1] == self.encoder.cfg.left_context
-        step = self.encoder.compiled_stream_step if full else self.encoder.stream_step
-        h, self.attn_caches, self.conv_caches = step(window, lo, hi, self.attn_caches, self.conv_caches)
-        return h
+        return window, lo, hi
 
     def arrays(self) -> list[mx.array]:
         """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames."""

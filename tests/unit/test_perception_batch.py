@@ -1,0 +1,200 @@
+"""PerceptionEngine.push_batch: several sessions' frames as one step give what each session's own pushes give.
+
+Sessions start staggered and leave early, the batch composition changes every few frames, sessions step solo
+between batched steps, and a bad frame in a batch fails alone. On this machine the batched floats equal the solo
+ones bit for bit (max-abs 0); the bound asserted leaves room for a batched matmul's rounding on other kernels.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.layers import Embedding, Linear
+from services.perception.engine import PerceptionEngine, RowSources
+from services.perception.rnnt import RNNT, JointNetwork, LSTMLayer, PredictionNetwork
+
+TOL = 1e-5
+FRAMES = 28  # the tiny encoder's left context is 12 frames: a session batches from its 14th frame on
+
+
+# input gain per checkpoint: the quantized tiny RNNT emits only on loud input
+GAIN = {"tiny": 1.0, "tinymix": 15.0}
+
+
+@pytest.fixture(scope="module", params=sorted(GAIN))
+def engine(request, tiny_checkpoint, tinymix_checkpoint):
+    engine = PerceptionEngine.load({"tiny": tiny_checkpoint, "tinymix": tinymix_checkpoint}[request.param])
+    engine.test_gain = GAIN[request.param]
+    return engine
+
+
+def _audio(engine, k: int) -> np.ndarray:
+    """Session k's input: noise of its own level (the tiny RNNTs emit pieces on most such frames)."""
+    rng = np.random.default_rng(100 + k)
+    level = (0.1 + 0.1 * k) * engine.test_gain
+    return (rng.standard_normal(engine.frame_samples * FRAMES) * level).astype(np.float32)
+
+
+def _frame(engine, audio: np.ndarray, f: int) -> np.ndarray:
+    n = engine.frame_samples
+    return audio[f * n : (f + 1) * n]
+
+
+def _solo(engine, audio: np.ndarray, frames: int = FRAMES):
+    stream = engine.open_stream()
+    return [stream.push(_frame(engine, audio, f)) for f in range(frames)]
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch):
+    """The B of every batched step taken (a spy on the engine's batched step)."""
+    sizes = []
+    original = PerceptionEngine._step_batch
+
+    def spy(self, streams, *args):
+        sizes.append(len(streams))
+        return original(self, streams, *args)
+
+    monkeypatch.setattr(PerceptionEngine, "_step_batch", spy)
+    return sizes
+
+
+def _assert_same(expected, got, exact: bool = False) -> float:
+    assert got.frame_index == expected.frame_index
+    assert got.token_ids == expected.token_ids
+    assert got.transcript_delta == expected.transcript_delta and got.transcript == expected.transcript
+    diff = 0.0
+    for a, b in ((expected.audio_embedding, got.audio_embedding), (expected.encoder_out, got.encoder_out)):
+        a, b = np.array(a), np.array(b)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if exact:
+            assert np.array_equal(a, b)
+        diff = max(diff, float(np.max(np.abs(a.astype(np.float64) - b))))
+    assert diff <= TOL
+    return diff
+
+
+def test_batched_sessions_equal_their_solo_runs_as_the_batch_changes(engine, batch_sizes):
+    audio = [_audio(engine, k) for k in range(4)]
+    expected = [_solo(engine, a) for a in audio]
+    assert sum(len(f.token_ids) for f in expected[2]) > 20  # the inputs exercise the RNNT, not only blanks
+    start = [0, 2, 5, 9]  # session 3 joins the batch when the others are already in it
+    stop = [FRAMES, 24, FRAMES, FRAMES]  # session 1 leaves early
+    streams = [engine.open_stream() for _ in audio]
+    got = [[] for _ in audio]
+    for tick in range(start[-1] + FRAMES):
+        due = [k for k in range(4) if start[k] <= tick < start[k] + stop[k]]
+        if tick % 5 == 3:  # some sessions sit this step out and push solo right after the batch
+            solo, due = due[:1], due[1:]
+        else:
+            solo = []
+        entries = [(streams[k], _frame(engine, audio[k], tick - start[k])) for k in due]
+        for k, out in zip(due, engine.push_batch(entries), strict=True):
+            got[k].append(out)
+        for k in solo:
+            got[k].append(streams[k].push(_frame(engine, audio[k], tick - start[k])))
+    diff = 0.0
+    for k in range(4):
+        assert len(got[k]) == stop[k]
+        for e, g in zip(expected[k], got[k], strict=False):
+            diff = max(diff, _assert_same(e, g))
+        assert streams[k].transcript == expected[k][stop[k] - 1].transcript
+    assert diff <= TOL
+    # batching really happened, at several sizes
+    assert max(batch_sizes) == 4 and {2, 3} <= set(batch_sizes)
+
+
+def test_a_batch_of_one_is_the_solo_push_bit_for_bit(engine, batch_sizes):
+    audio = _audio(engine, 1)
+    expected = _solo(engine, audio)
+    stream = engine.open_stream()
+    for f in range(FRAMES):
+        (out,) = engine.push_batch([(stream, _frame(engine, audio, f))])
+        _assert_same(expected[f], out, exact=True)
+    assert batch_sizes == []
+
+
+def test_a_bad_frame_fails_alone_and_leaves_its_session_untouched(engine, batch_sizes):
+    audio = [_audio(engine, k) for k in range(3)]
+    expected = [_solo(engine, a) for a in audio]
+    streams = [engine.open_stream() for _ in audio]
+    got = [[] for _ in audio]
+    bad_inputs = {15: np.zeros(100, np.float32), 16: np.full(engine.frame_samples, np.nan, np.float32),
+                  17: np.zeros(engine.frame_samples, np.int16)}
+    f = [0, 0, 0]
+    for tick in range(FRAMES + len(bad_inputs)):
+        entries, owners = [], []
+        for k in range(3):
+            if f[k] >= FRAMES:
+                continue
+            frame = _frame(engine, audio[k], f[k])
+            if k == 1 and tick in bad_inputs:
+                frame = bad_inputs[tick]
+            entries.append((streams[k], frame))
+            owners.append(k)
+        for k, out in zip(owners, engine.push_batch(entries), strict=True):
+            if k == 1 and tick in bad_inputs:
+                assert isinstance(out, ValueError)
+                continue
+            got[k].append(out)
+            f[k] += 1
+    assert "80 ms" in str(engine.push_batch([(streams[0], np.zeros(3, np.float32))])[0])
+    for k in range(3):
+        assert len(got[k]) == FRAMES
+        for e, g in zip(expected[k], got[k], strict=True):
+            _assert_same(e, g)
+    assert 3 in batch_sizes and 2 in batch_sizes
+
+
+def test_a_stream_twice_in_one_batch_is_refused(engine):
+    stream = engine.open_stream()
+    frame = np.zeros(engine.frame_samples, np.float32)
+    with pytest.raises(ValueError, match="more than once"):
+        engine.push_batch([(stream, frame), (stream, frame)])
+    assert stream.frame_index == 0
+
+
+def test_row_sources_give_back_the_batched_array_or_one_take():
+    sources = RowSources()
+    batched = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    rows = sources.split(batched)
+    assert sources.gather(rows) is batched  # the same composition: no copy at all
+    assert np.array_equal(np.array(sources.gather([rows[2], rows[0]])), np.array(batched)[[2, 0]])
+    loose = mx.full((1, 3), 7.0)
+    mixed = sources.gather([rows[3], loose, rows[1], loose])
+    assert np.array_equal(np.array(mixed), np.array([[9, 10, 11], [7, 7, 7], [3, 4, 5], [7, 7, 7]]))
+    sources.keep({id(rows[0])})
+    assert np.array_equal(np.array(sources.gather([rows[0]])), [[0, 1, 2]])  # a take from the batched array
+    assert sources.gather([rows[1]]) is rows[1]  # forgotten: the row is its own source
+
+
+def test_begin_batch_builds_each_sessions_solo_proposal():
+    """Fresh sessions (blank token, no LSTM state) and started ones in one batch propose what each would alone."""
+    rng = np.random.default_rng(0)
+    h, vocab, blank = 8, 6, 6
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    layers = [LSTMLayer(arr(4 * h, h), arr(4 * h, h), arr(4 * h)) for _ in range(2)]
+    out = Linear(arr(vocab + 1, h), arr(vocab + 1))
+    joint = JointNetwork(Linear(arr(h, h), arr(h)), Linear(arr(h, h), arr(h)), out)
+    rnnt = RNNT(PredictionNetwork(Embedding(arr(vocab + 1, h)), layers, h), joint, [f"p{i}" for i in range(vocab)],
+                blank, max_symbols=4)
+    states = [rnnt.new_state() for _ in range(3)]
+    for frame in range(3):  # start sessions 1 and 2 (they emit on random frames), session 0 stays fresh
+        for s in states[1:]:
+            rnnt.decode_frame(s, arr(1, 1, h) * (frame + 1))
+    assert states[0].lstm is None and all(s.lstm is not None for s in states[1:])
+    frames = arr(3, 1, h)
+    zero = mx.zeros((1, h))
+    lstm = tuple([mx.concatenate([s.lstm[part][n] if s.lstm else zero for s in states]) for n in range(2)]
+                 for part in range(2))
+    batch = rnnt.begin_batch(states, frames, lstm)
+    for b, state in enumerate(states):
+        solo = rnnt.begin_frame(state, frames[b : b + 1])
+        assert np.array(batch.ids[b]).tolist() == np.array(solo.ids).tolist()
+        for (bh, bc), (sh, sc) in zip(batch.states, solo.states, strict=True):
+            for x, y in zip([*bh, *bc], [*sh, *sc], strict=True):
+                assert x[b : b + 1].dtype == y.dtype
+                assert np.allclose(np.array(x[b : b + 1]), np.array(y), atol=1e-6, rtol=0)
