@@ -1,13 +1,15 @@
 """Drive one network service with K concurrent sessions and report its throughput and per-frame latency.
 
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
-                            [--sessions K] [--frames N] [--warmup W] [--json]
+                            [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process]
+                            [--weights-dtype stored|bfloat16] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
-the previous one's reply has arrived, as the frame clock does). Reported: frames per second over all sessions,
-per-frame latency p50/p95, and for one session the same frames run on the engine in this process, so the
-difference is what the transport costs.
+the previous one's reply has arrived, as the frame clock does), so concurrent sessions' steps meet in the
+service's batches. Reported per K: frames per second over all sessions and per-frame latency p50/p95, over gRPC
+and for the same K sessions stepped together on the engine in this process (its batched call); the difference
+of the two latencies is what the transport and the service's queueing cost.
 """
 
 from __future__ import annotations
@@ -116,43 +118,60 @@ async def drive(address: str, load: Workload, sessions: int, frames: int, warmup
     }
 
 
-def in_process(name: str, model: Path, config: VoiceChatConfig, frames: int, warmup: int) -> dict:
-    """The same single-session work on the engine, without gRPC."""
+def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
+               llm_weights_dtype: str | None = None) -> dict[int, dict]:
+    """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
+    through the engine's batched call (K = 1 is the solo path). Returns {K: frames/s and per-step latency}."""
     import mlx.core as mx
 
     rng = np.random.default_rng(0)
     if name == "perception":
         from services.perception.engine import PerceptionEngine
 
-        stream = PerceptionEngine.load(model).open_stream()
-        work = lambda i: stream.push((0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32))  # noqa: E731
+        engine = PerceptionEngine.load(model)
+        open_one = engine.open_stream
+        batch = lambda live, i: engine.push_batch([  # noqa: E731
+            (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
     elif name == "llm":
         from services.llm.engine import LanguageEngine
 
-        session = LanguageEngine.load(model).open_session("")
+        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype)
         hidden = config.text_config.hidden_size
-        work = lambda i: session.step(mx.array(rng.standard_normal(hidden).astype(np.float32)))  # noqa: E731
+        open_one = lambda: engine.open_session("")  # noqa: E731
+        batch = lambda live, i: engine.step_batch([  # noqa: E731
+            (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
     elif name == "tts":
         from services.tts.engine import TTSEngine
 
         engine = TTSEngine.load(model)
         cb = config.tts_config.codebook_size
         prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
-        voice = engine.open_session(0, prompt.astype(np.int32), 0)
-        work = lambda i: voice.step(int(rng.integers(16, config.text_config.vocab_size)))  # noqa: E731
+        open_one = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
+        vocab = config.text_config.vocab_size
+        batch = lambda live, i: engine.step_batch([(s, int(rng.integers(16, vocab))) for s in live])  # noqa: E731
     else:
         from services.codec.engine import CodecEngine
 
-        decoder = CodecEngine.load(model).open_stream()
+        engine = CodecEngine.load(model)
+        open_one = engine.open_stream
         q, cb = config.codec_config.num_quantizers, config.codec_config.codebook_size
-        work = lambda i: decoder.decode_frame(i, rng.integers(0, cb, q).astype(np.int32))  # noqa: E731
-    latencies = []
-    for index in range(frames + warmup):
-        start = time.perf_counter()
-        work(index)
-        if index >= warmup:
-            latencies.append((time.perf_counter() - start) * 1000.0)
-    return {"latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+        batch = lambda live, i: engine.decode_batch([  # noqa: E731
+            (s, i, rng.integers(0, cb, q).astype(np.int32)) for s in live])
+    report = {}
+    for k in sessions:
+        live = [open_one() for _ in range(k)]
+        latencies = []
+        for index in range(frames + warmup):
+            start = time.perf_counter()
+            errors = [r for r in batch(live, index) if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            if index >= warmup:
+                latencies.append((time.perf_counter() - start) * 1000.0)
+        report[k] = {"sessions": k, "frames_per_second": k * len(latencies) / (sum(latencies) / 1000.0),
+                     "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+        del live
+    return report
 
 
 def prompt_frames(address: str) -> int:
@@ -160,45 +179,67 @@ def prompt_frames(address: str) -> int:
         return speech_pb2_grpc.SpeechServiceStub(channel).Describe(speech_pb2.SpeechDescribeRequest()).prompt_frames
 
 
+def session_counts(text: str) -> list[int]:
+    """"1,8,16" -> [1, 8, 16]."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected session counts like 1,8,16") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every session count must be at least 1")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("service", choices=SERVICES)
     parser.add_argument("--model", type=Path, required=True, help="checkpoint (its config shapes the inputs)")
     parser.add_argument("--address", help="HOST:PORT of a running service (default: start one)")
-    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--sessions", type=session_counts, default=[1],
+                        help="concurrent sessions; a list such as 1,8,16 runs each in turn (default 1)")
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-in-process", dest="in_process", action="store_false",
+                        help="skip the in-process comparison (it loads the model a second time)")
+    parser.add_argument("--weights-dtype", choices=["stored", "bfloat16"], default="stored",
+                        help="llm only: the language weights' dtype, for the started service and in-process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     config = VoiceChatConfig.load(args.model)
     child = None
     address = args.address
+    dtype = None if args.weights_dtype == "stored" else args.weights_dtype
     try:
         if address is None:
-            child = spawn_service(args.service, args.model)
+            extra = ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
+            child = spawn_service(args.service, args.model, extra)
             wait_ready([child])
             address = child.address
         load = workload(args.service, config, prompt_frames(address) if args.service == "tts" else 0)
-        report = {"service": args.service, "address": address,
-                  "grpc": asyncio.run(drive(address, load, args.sessions, args.frames, args.warmup))}
-        if args.sessions > 1:
-            report["grpc_one_session"] = asyncio.run(drive(address, load, 1, args.frames, args.warmup))
+        grpc_runs = [asyncio.run(drive(address, load, k, args.frames, args.warmup)) for k in args.sessions]
     finally:
         if child is not None:
             stop([child])
-    report["in_process_one_session"] = in_process(args.service, args.model, config, args.frames, args.warmup)
-    single = report.get("grpc_one_session", report["grpc"])
-    report["transport_ms_p50"] = single["latency_p50_ms"] - report["in_process_one_session"]["latency_p50_ms"]
+    local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype)
+             if args.in_process else {})
+    rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
+    for row in rows:
+        if row["in_process"] is not None:
+            row["transport_ms_p50"] = row["grpc"]["latency_p50_ms"] - row["in_process"]["latency_p50_ms"]
+    report = {"service": args.service, "address": address, "frames_per_session": args.frames, "runs": rows}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    g = report["grpc"]
-    print(f"{args.service} at {address}: {g['sessions']} sessions x {g['frames_per_session']} frames")
-    print(f"  throughput       {g['frames_per_second']:8.1f} frames/s")
-    print(f"  latency (gRPC)   p50 {g['latency_p50_ms']:7.2f} ms   p95 {g['latency_p95_ms']:7.2f} ms")
-    local = report["in_process_one_session"]
-    print(f"  in-process, 1    p50 {local['latency_p50_ms']:7.2f} ms   p95 {local['latency_p95_ms']:7.2f} ms")
-    print(f"  transport cost   p50 {report['transport_ms_p50']:7.2f} ms per frame (one session)")
+    print(f"{args.service} at {address}: {args.frames} frames per session after {args.warmup} warm-up")
+    print("| sessions | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | in-process p50 / p95 ms | "
+          "transport p50 ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        g, p = row["grpc"], row["in_process"]
+        here = (f"{p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / {p['latency_p95_ms']:.2f} | "
+                f"{row['transport_ms_p50']:.2f}") if p else "- | - | -"
+        print(f"| {row['sessions']} | {g['frames_per_second']:.1f} | {g['latency_p50_ms']:.2f} / "
+              f"{g['latency_p95_ms']:.2f} | {here} |")
     return 0
 
 

@@ -11,8 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
+
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
-from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine
+from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine, DecodeStream
+from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
@@ -27,12 +30,13 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     """Serves one CodecEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open DecodeStream sessions
         self.metrics = metrics or Metrics("codec")
         self.metrics.track_sessions(lambda: self.live_sessions)
+        self.batcher = StepBatcher(engine_thread, self._decode_frames, max_batch, on_batch=self.metrics.batch)
 
     @property
     def engine(self) -> CodecEngine:
@@ -81,21 +85,33 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError("after `open`, every DecodeStream message must be a `frame`")
                 frame = request.frame
-                samples = await self.engine_thread.run(
-                    stream.decode_frame, frame.frame_index, from_proto_np(frame.codes))
-                response = codec_pb2.CodecDecodeStreamResponse(
-                    frame=codec_pb2.CodecDecodedFrame(frame_index=frame.frame_index, samples=to_proto_np(samples))
-                )
+                response = await self.batcher.submit((stream, frame))
                 self.metrics.frame(time.perf_counter() - started)
                 yield response
         finally:
             self.live_sessions -= 1
 
+    def _decode_frames(self, entries: list[tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput]]) -> list:
+        """Concurrent streams' frames as one batch, on the engine thread."""
+        return run_entries(entries, _decode_arguments, self.engine.decode_batch, _decoded_response)
 
-def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> ServiceSpec:
+
+def _decode_arguments(entry: tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput]) -> tuple:
+    stream, frame = entry
+    return stream, frame.frame_index, from_proto_np(frame.codes)
+
+
+def _decoded_response(entry: tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput], samples: np.ndarray
+                      ) -> codec_pb2.CodecDecodeStreamResponse:
+    return codec_pb2.CodecDecodeStreamResponse(
+        frame=codec_pb2.CodecDecodedFrame(frame_index=entry[1].frame_index, samples=to_proto_np(samples)))
+
+
+def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES,
+               max_batch: int = DEFAULT_MAX_BATCH) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="codec-engine")
-    servicer = CodecServicer(engine_thread)
+    servicer = CodecServicer(engine_thread, max_batch=max_batch)
     return ServiceSpec(
         registrations=[(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

@@ -46,6 +46,17 @@ class StepBatcher(Generic[Entry, Result]):
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._drainer: asyncio.Task[None] | None = None
+        self._running = 0  # entries of the batch on the engine thread now
+
+    @property
+    def queued(self) -> int:
+        """Steps waiting for the next batch (not counting the batch running now)."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Steps in the batch handed to the engine thread and not answered yet."""
+        return self._running
 
     async def submit(self, entry: Entry) -> Result:
         """Queue one session's step and wait for its result (or its exception). A caller cancelled while its
@@ -74,6 +85,7 @@ class StepBatcher(Generic[Entry, Result]):
     async def _run(self, batch: list[tuple[Entry, asyncio.Future[Result]]]) -> None:
         if self.on_batch is not None:
             self.on_batch(len(batch))
+        self._running = len(batch)
         try:
             results = await self.engine_thread.run(self._checked, [entry for entry, _ in batch])
         except asyncio.CancelledError:
@@ -82,6 +94,8 @@ class StepBatcher(Generic[Entry, Result]):
             raise
         except Exception as error:  # noqa: BLE001 - delivered to each waiting caller
             results = [error] * len(batch)
+        finally:
+            self._running = 0
         for (_, future), result in zip(batch, results, strict=True):
             if future.done():  # its caller was cancelled while the batch ran
                 continue

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.batching import DEFAULT_MAX_BATCH
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
@@ -76,6 +77,13 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"seconds before they are cut (default {DEFAULT_GRACE_S:g})",
     )
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="most sessions whose frame steps run together as one batched forward; steps that arrive while a "
+        f"batch runs form the next one (default {DEFAULT_MAX_BATCH}; 1 runs every step alone)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -99,6 +107,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--max-message-mb {args.max_message_mb}: must be positive")
     if args.drain_seconds < 0:
         parser.error(f"--drain-seconds {args.drain_seconds}: must be zero or more")
+    if args.max_batch < 1:
+        parser.error(f"--max-batch {args.max_batch}: must be at least 1")
     return args
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
+from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto, to_proto
-from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession
+from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession, StepOutput
 
 SERVICE_NAME = full_service_name(language_pb2, "LanguageService")
 # How each stream's prompt prefix enters the model (LanguageOpen.prefix_precision): cast to float32 as in the
@@ -37,12 +38,13 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
+        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -76,15 +78,21 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 step = request.step
                 if not step.HasField("audio_embedding"):
                     raise ValueError("LanguageStep.audio_embedding is missing")
-                result = await self.engine_thread.run(_run_step, session, step)
+                result = await self.batcher.submit((session, step))
                 self.metrics.frame(time.perf_counter() - started)
                 yield language_pb2.LanguageStreamResponse(step=result)
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
-            # step still running for it; a closed engine thread (shutdown) frees everything anyway.
+            # step still running for it (a step still waiting for its batch is dropped with its cancelled
+            # caller); a closed engine thread (shutdown) frees everything anyway.
             self.live_sessions -= 1
             with contextlib.suppress(RuntimeError):
                 self.engine_thread.submit(engine.close_session, session)
+
+    def _run_steps(self, entries: list[tuple[LanguageSession, language_pb2.LanguageStep]]) -> list:
+        """The steps of concurrent sessions as one batch, on the engine thread (tensor conversion included: MLX
+        work stays on that thread)."""
+        return run_entries(entries, _step_arguments, self.engine.step_batch, _step_result)
 
 
 def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> tuple[LanguageSession, object]:
@@ -97,9 +105,14 @@ def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> tuple[Lang
     return session, opened
 
 
-def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> language_pb2.LanguageStepResult:
-    """One LanguageStep on the engine thread (tensor conversion included: MLX work stays on that thread)."""
-    out = session.step(from_proto(step.audio_embedding), step.return_logits, step.frame_index)
+def _step_arguments(entry: tuple[LanguageSession, language_pb2.LanguageStep]) -> tuple:
+    session, step = entry
+    return session, from_proto(step.audio_embedding), step.return_logits, step.frame_index
+
+
+def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: StepOutput
+                 ) -> language_pb2.LanguageStepResult:
+    step = entry[1]
     result = language_pb2.LanguageStepResult(
         frame_index=step.frame_index, text_token_id=out.text_id, function_token_id=out.function_id)
     if out.text_logits is not None:
@@ -109,10 +122,10 @@ def _run_step(session: LanguageSession, step: language_pb2.LanguageStep) -> lang
 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               weights_dtype: str | None = None) -> ServiceSpec:
+               weights_dtype: str | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
-    servicer = LanguageServicer(engine_thread)
+    servicer = LanguageServicer(engine_thread, max_batch=max_batch)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

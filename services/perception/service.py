@@ -14,24 +14,26 @@ from pathlib import Path
 import numpy as np
 
 from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
+from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher, run_entries
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
 from services.common.server import Registration, full_service_name
 from services.common.tensors import from_proto_np, to_proto
-from services.perception.engine import PerceptionEngine, PerceptionStream
+from services.perception.engine import PerceptionEngine, PerceptionStream, StreamFrame
 
 SERVICE_NAME = full_service_name(perception_pb2, "PerceptionService")
 
 
 class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions
         self.metrics = metrics or Metrics("perception")
         self.metrics.track_sessions(lambda: self.live_sessions)
+        self.batcher = StepBatcher(engine_thread, self._push_frames, max_batch, on_batch=self.metrics.batch)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
@@ -81,11 +83,15 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                     raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
                 if not frame.HasField("samples"):
                     raise ValueError(f"frame {frame.frame_index} has no samples")
-                response = await self.engine_thread.run(_push, stream, from_proto_np(frame.samples))
+                response = await self.batcher.submit((stream, frame))
                 self.metrics.frame(time.perf_counter() - started)
                 yield response
         finally:
             self.live_sessions -= 1
+
+    def _push_frames(self, entries: list[tuple[PerceptionStream, perception_pb2.PerceptionFrameInput]]) -> list:
+        """Concurrent streams' frames as one batch, on the engine thread."""
+        return run_entries(entries, _push_arguments, self.engine.push_batch, _frame_response)
 
 
 # These run on the engine thread: reading an MLX array's bytes evaluates it, which must happen there.
@@ -101,8 +107,13 @@ def _encode(engine: PerceptionEngine, waveform: np.ndarray) -> perception_pb2.En
     )
 
 
-def _push(stream: PerceptionStream, samples: np.ndarray) -> perception_pb2.PerceptionStreamResponse:
-    out = stream.push(samples)
+def _push_arguments(entry: tuple[PerceptionStream, perception_pb2.PerceptionFrameInput]
+                    ) -> tuple[PerceptionStream, np.ndarray]:
+    stream, frame = entry
+    return stream, from_proto_np(frame.samples)
+
+
+def _frame_response(entry: tuple, out: StreamFrame) -> perception_pb2.PerceptionStreamResponse:
     return perception_pb2.PerceptionStreamResponse(
         frame=perception_pb2.PerceptionFrame(
             frame_index=out.frame_index,

@@ -15,24 +15,26 @@ from pathlib import Path
 import grpc
 
 from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
+from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
-from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS, TTSEngine
+from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS, TTSEngine, TTSSession
 
 SERVICE_NAME = full_service_name(speech_pb2, "SpeechService")
 
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         self.engine_thread = engine_thread
         self.engine = engine
         self.live_sessions = 0  # open Stream sessions
         self.metrics = metrics or Metrics("tts")
         self.metrics.track_sessions(lambda: self.live_sessions)
+        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False,
                    max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
@@ -83,7 +85,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 if step.frame_index < 0 or (expected is not None and step.frame_index != expected):
                     want = "a non-negative index" if expected is None else str(expected)
                     raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
-                raw, clean = await self.engine_thread.run(session.step, step.text_token_id)
+                raw, clean = await self.batcher.submit((session, step.text_token_id))
                 expected = step.frame_index + 1
                 response = speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
                     frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
@@ -91,3 +93,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 yield response
         finally:
             self.live_sessions -= 1
+
+    def _run_steps(self, entries: list[tuple[TTSSession, int]]) -> list:
+        """Concurrent sessions' steps as one batch, on the engine thread."""
+        assert self.engine is not None
+        return self.engine.step_batch(entries)

@@ -9,16 +9,31 @@ import pytest
 from bench import service, stages
 
 
-@pytest.mark.parametrize("name", ["llm", "tts"])
-def test_service_bench_reports_throughput_latency_and_transport(tiny_checkpoint, capsys, name):
-    assert service.main([name, "--model", str(tiny_checkpoint), "--sessions", "2", "--frames", "3",
+@pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
+def test_service_bench_reports_each_session_count_over_grpc_and_in_process(tiny_checkpoint, capsys, name):
+    assert service.main([name, "--model", str(tiny_checkpoint), "--sessions", "1,3", "--frames", "3",
                          "--warmup", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["service"] == name and report["grpc"]["sessions"] == 2
-    assert report["grpc"]["frames_per_second"] > 0
-    for row in (report["grpc"], report["grpc_one_session"], report["in_process_one_session"]):
-        assert 0 < row["latency_p50_ms"] <= row["latency_p95_ms"]
-    assert isinstance(report["transport_ms_p50"], float)
+    assert report["service"] == name and [row["sessions"] for row in report["runs"]] == [1, 3]
+    for row in report["runs"]:
+        for side in (row["grpc"], row["in_process"]):
+            assert side["sessions"] == row["sessions"] and side["frames_per_second"] > 0
+            assert 0 < side["latency_p50_ms"] <= side["latency_p95_ms"]
+        assert isinstance(row["transport_ms_p50"], float)
+
+
+def test_service_bench_table_without_the_in_process_side(tiny_checkpoint, capsys):
+    assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "2", "--frames", "2",
+                         "--warmup", "0", "--no-in-process"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("| sessions | gRPC frames/s")
+    assert lines[3].startswith("| 2 | ") and lines[3].endswith("| - | - | - |")
+
+
+def test_service_bench_refuses_a_bad_session_list():
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(SystemExit):
+            service.main(["codec", "--model", ".", "--sessions", bad])
 
 
 def test_stage_bench_reports_every_stage(tiny_checkpoint, capsys):

@@ -169,3 +169,34 @@ def test_run_entries_skips_the_batch_when_nothing_is_left():
     ran = []
     results = run_entries(["x"], int, lambda values: ran.append(values) or [], str)
     assert ran == [] and isinstance(results[0], ValueError)
+
+
+def test_services_keep_float32_matmuls_out_of_tf32_unless_told(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, services; print(os.environ['MLX_ENABLE_TF32'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    chosen = subprocess.run([sys.executable, "-c", probe], env={**env, "MLX_ENABLE_TF32": "1"},
+                            capture_output=True, text=True, check=True)
+    assert (default.stdout.strip(), chosen.stdout.strip()) == ("0", "1")
+
+
+def test_queued_and_running_count_the_steps_not_yet_answered(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder)
+
+    async def scenario():
+        recorder.hold.clear()
+        first = asyncio.ensure_future(batcher.submit(1))
+        await _wait_started(recorder)
+        more = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]
+        await asyncio.sleep(0)
+        counts = (batcher.running, batcher.queued)
+        recorder.hold.set()
+        await asyncio.gather(first, *more)
+        return counts, (batcher.running, batcher.queued)
+
+    assert asyncio.run(scenario()) == ((1, 2), (0, 0))

@@ -1,0 +1,137 @@
+"""Each service over a real grpc.aio server: concurrent sessions' steps run as batches, and every session gets
+exactly what it gets alone.
+
+The engine thread is held while the sessions' frame i arrives, so the steps queue up and meet in at most two
+batches (the one the drain took when the first step arrived, and the rest); then the same sessions run one at a
+time through the same server. On this CPU a batched row is computed exactly as a solo row, so the replies
+are compared byte for byte (ids, codes and float tensors alike)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.service import workload
+from services.common.cli import build_parser, parse_args
+from services.common.config import VoiceChatConfig
+from services.common.server import start_server
+
+HOST = "127.0.0.1"
+SESSIONS = 3
+FRAMES = 6
+
+
+@contextlib.asynccontextmanager
+async def served(name: str, model_dir, *flags: str):
+    main = importlib.import_module(f"services.{name}.__main__")
+    parser = build_parser(f"services.{name}", "")
+    main.add_arguments(parser)
+    spec = main.build(parse_args(parser, ["--model", str(model_dir), *flags]))
+    running = await start_server(spec.registrations, spec.service_names, host=HOST, port=0)
+    try:
+        await running.become_ready(spec.load)
+        yield f"{HOST}:{running.port}", spec.registrations[0][1]
+    finally:
+        await running.stop(0)
+        spec.close()
+
+
+async def _until(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+async def run_together(channel, load, servicer, frames: int, seeds: list[int]) -> list[list[bytes]]:
+    """Every session's replies, each frame's steps held back until they can all be batched."""
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    calls = [getattr(load.stub(channel), load.method)() for _ in seeds]
+    for call in calls:
+        await call.write(load.open)
+        await call.read()
+    replies: list[list[bytes]] = [[] for _ in seeds]
+    batcher = servicer.batcher
+    for index in range(frames):
+        gate = threading.Event()
+        servicer.engine_thread.submit(gate.wait, 30)
+        for call, rng in zip(calls, rngs, strict=True):
+            await call.write(load.frame(index, rng))
+        await _until(lambda: batcher.running + batcher.queued == len(calls), "the steps to queue")
+        gate.set()
+        for call, out in zip(calls, replies, strict=True):
+            out.append((await call.read()).SerializeToString(deterministic=True))
+    for call in calls:
+        await call.done_writing()
+    return replies
+
+
+async def run_alone(channel, load, frames: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    call = getattr(load.stub(channel), load.method)()
+    await call.write(load.open)
+    await call.read()
+    out = []
+    for index in range(frames):
+        await call.write(load.frame(index, rng))
+        out.append((await call.read()).SerializeToString(deterministic=True))
+    await call.done_writing()
+    return out
+
+
+@pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
+def test_concurrent_sessions_batch_and_each_equals_its_solo_run(tiny_checkpoint, name):
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    seeds = [11, 22, 33][:SESSIONS]
+
+    async def scenario():
+        async with served(name, tiny_checkpoint) as (address, servicer):
+            load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
+            async with grpc.aio.insecure_channel(address) as channel:
+                together = await run_together(channel, load, servicer, FRAMES, seeds)
+                before = servicer.metrics.value("voicechat_batch_size_count")
+                alone = [await run_alone(channel, load, FRAMES, seed) for seed in seeds]
+                after = servicer.metrics.value("voicechat_batch_size_count")
+            sizes = servicer.metrics.value("voicechat_batch_size_sum"), before, after
+        return together, alone, sizes
+
+    together, alone, (size_sum, batches_together, batches_total) = asyncio.run(scenario())
+    assert FRAMES <= batches_together <= 2 * FRAMES  # per frame: one or two batches for the three steps
+    assert batches_total - batches_together == SESSIONS * FRAMES  # alone: one step per batch
+    assert size_sum == 2 * SESSIONS * FRAMES
+    for seed, mine, solo in zip(seeds, together, alone, strict=True):
+        assert len(set(solo)) == FRAMES, "every frame's reply differs: the comparison has something to catch"
+        for index, (a, b) in enumerate(zip(mine, solo, strict=True)):
+            assert a == b, f"{name}: session seed {seed}, frame {index}: the batched reply differs from solo"
+
+
+def test_max_batch_one_runs_every_step_alone(tiny_checkpoint):
+    config = VoiceChatConfig.load(tiny_checkpoint)
+
+    async def scenario():
+        async with served("codec", tiny_checkpoint, "--max-batch", "1") as (address, servicer):
+            assert servicer.batcher.max_batch == 1
+            load = workload("codec", config)
+            async with grpc.aio.insecure_channel(address) as channel:
+                await asyncio.gather(*(run_alone(channel, load, 4, seed) for seed in (1, 2, 3)))
+            return (servicer.metrics.value("voicechat_batch_size_count"),
+                    servicer.metrics.value("voicechat_batch_size_sum"))
+
+    assert asyncio.run(scenario()) == (12, 12)
+
+
+def test_max_batch_below_one_is_a_usage_error(tiny_checkpoint, capsys):
+    parser = build_parser("services.codec", "")
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--model", str(tiny_checkpoint), "--max-batch", "0"])
+    assert "--max-batch 0: must be at least 1" in capsys.readouterr().err
+    assert isinstance(parse_args(parser, ["--model", str(tiny_checkpoint)]), argparse.Namespace)
