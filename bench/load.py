@@ -290,6 +290,12 @@ def print_table(report: LoadReport) -> None:
                          else f"{value:>12}")
         print(f"{key:>18}" + "".join(cells))
     print(f"wall {report.wall_s:.1f} s")
+    seen: dict[str, int] = {}
+    for outcome in report.outcomes:
+        for error in outcome.errors:
+            seen[error] = seen.get(error, 0) + 1
+    for error, count in seen.items():
+        print(f"error x{count}: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_frames <= 0:
         raise ValueError(f"--max-frames {args.max_frames}: must be positive")
-    return build_spec(args.model, args.max_frames, args.max_batch)
+    return build_spec(args.model, args.max_frames, args.max_batch, args.batch_wait_ms / 1000.0)
 
 
 if __name__ == "__main__":

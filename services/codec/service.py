@@ -15,7 +15,7 @@ import numpy as np
 
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine, DecodeStream
-from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher, run_entries
+from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
@@ -30,13 +30,15 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     """Serves one CodecEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH):
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 batch_gather_s: float = DEFAULT_GATHER_S):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open DecodeStream sessions
         self.metrics = metrics or Metrics("codec")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._decode_frames, max_batch, on_batch=self.metrics.batch)
+        self.batcher = StepBatcher(engine_thread, self._decode_frames, max_batch, on_batch=self.metrics.batch,
+                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
 
     @property
     def engine(self) -> CodecEngine:
@@ -108,10 +110,10 @@ def _decoded_response(entry: tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput
 
 
 def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES,
-               max_batch: int = DEFAULT_MAX_BATCH) -> ServiceSpec:
+               max_batch: int = DEFAULT_MAX_BATCH, batch_gather_s: float = DEFAULT_GATHER_S) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="codec-engine")
-    servicer = CodecServicer(engine_thread, max_batch=max_batch)
+    servicer = CodecServicer(engine_thread, max_batch=max_batch, batch_gather_s=batch_gather_s)
     return ServiceSpec(
         registrations=[(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

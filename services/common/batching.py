@@ -6,10 +6,12 @@ that moment (up to `max_batch`) to the service's batched engine call in one engi
     batcher = StepBatcher(engine_thread, lambda entries: engine.step_batch(entries), max_batch=16)
     result = await batcher.submit((session, text_id))    # from each stream's handler
 
-No step waits for company. While a batch runs, the steps that arrive queue and form the next one, so one
-session alone runs batches of one (the engines' solo path), and batches grow with load only: continuous
-batching without a timer. Batched calls return one result per entry, an exception instance for an entry that
-failed on its own (bad input), so one session's error reaches that session only.
+While a batch runs, the steps that arrive queue and form the next one, so batches grow with load: continuous
+batching. When the engine is idle, a step waits for company only while fewer steps are queued than sessions are
+open, and at most `gather_s` (a few ms): sessions whose frames arrive together then share one batch instead of
+the first running alone and the rest after it. One session alone never waits and runs batches of one (the
+engines' solo path). Batched calls return one result per entry, an exception instance for an entry that failed
+on its own (bad input), so one session's error reaches that session only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ Prepared = TypeVar("Prepared")
 Output = TypeVar("Output")
 
 DEFAULT_MAX_BATCH = 16
+DEFAULT_GATHER_S = 0.002
 
 
 class StepBatcher(Generic[Entry, Result]):
@@ -33,18 +36,27 @@ class StepBatcher(Generic[Entry, Result]):
 
     `run_batch(entries)` runs on the engine thread and returns a list aligned with `entries`: a result or an
     exception instance per entry. If it raises, every entry of that batch fails with that exception. All
-    `submit` calls must come from one event loop (a gRPC aio server's)."""
+    `submit` calls must come from one event loop (a gRPC aio server's).
+
+    `sessions()` says how many sessions are open (steps that may come); with it, a batch waits up to `gather_s`
+    for that many steps before it starts. Without it no batch waits."""
 
     def __init__(self, engine_thread: EngineThread,
                  run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]],
-                 max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
+                 sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if not 0 <= gather_s < 1:
+            raise ValueError(f"gather_s must be in [0, 1) seconds, got {gather_s}")
         self.engine_thread = engine_thread
         self.run_batch = run_batch
         self.max_batch = max_batch
         self.on_batch = on_batch  # called with each batch's size (metrics)
+        self.sessions = sessions
+        self.gather_s = gather_s
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
+        self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._running = 0  # entries of the batch on the engine thread now
 
@@ -63,6 +75,7 @@ class StepBatcher(Generic[Entry, Result]):
         step is still queued is dropped from the batch; once the batch runs, the step runs to its end."""
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting.append((entry, future))
+        self._arrived.set()
         if self._drainer is None:
             self._drainer = asyncio.create_task(self._drain())
         return await future
@@ -70,6 +83,7 @@ class StepBatcher(Generic[Entry, Result]):
     async def _drain(self) -> None:
         try:
             while self._waiting:
+                await self._gather()
                 taken, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
                 batch = [(entry, future) for entry, future in taken if not future.done()]  # cancelled callers
                 if batch:
@@ -81,6 +95,22 @@ class StepBatcher(Generic[Entry, Result]):
             raise
         finally:
             self._drainer = None
+
+    async def _gather(self) -> None:
+        """Wait up to gather_s while fewer steps are queued than sessions are open (and max_batch allows)."""
+        if self.sessions is None or self.gather_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_s
+        while len(self._waiting) < min(self.max_batch, self.sessions()):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
 
     async def _run(self, batch: list[tuple[Entry, asyncio.Future[Result]]]) -> None:
         if self.on_batch is not None:

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.batching import DEFAULT_MAX_BATCH
+from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
@@ -84,6 +84,13 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"batch runs form the next one (default {DEFAULT_MAX_BATCH}; 1 runs every step alone)",
     )
     parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=DEFAULT_GATHER_S * 1000.0,
+        help="when the engine is idle and fewer steps wait than sessions are open, wait at most this long for "
+        f"them to join the batch (default {DEFAULT_GATHER_S * 1000.0:g}; 0 never waits; a lone session never waits)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -109,6 +116,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     if args.max_batch < 1:
         parser.error(f"--max-batch {args.max_batch}: must be at least 1")
+    if not 0 <= args.batch_wait_ms < 1000:
+        parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
     return args
 
 

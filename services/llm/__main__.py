@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, args.max_batch)
+    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, args.max_batch,
+                      args.batch_wait_ms / 1000.0)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
-from services.common.batching import DEFAULT_MAX_BATCH, StepBatcher, run_entries
+from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
@@ -38,13 +38,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 batch_gather_s: float = DEFAULT_GATHER_S) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch)
+        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch,
+                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -122,10 +124,11 @@ def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: 
 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               weights_dtype: str | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> ServiceSpec:
+               weights_dtype: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+               batch_gather_s: float = DEFAULT_GATHER_S) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
-    servicer = LanguageServicer(engine_thread, max_batch=max_batch)
+    servicer = LanguageServicer(engine_thread, max_batch=max_batch, batch_gather_s=batch_gather_s)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     engine_thread = EngineThread("perception")
-    servicer = PerceptionServicer(engine_thread, max_batch=args.max_batch)
+    servicer = PerceptionServicer(engine_thread, max_batch=args.max_batch, batch_gather_s=args.batch_wait_ms / 1000.0)
 
     async def load() -> None:
         await servicer.load(args.model, args.float32_weights)

@@ -28,7 +28,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prefix_steps < 0:
         raise ValueError(f"--max-prefix-steps {args.max_prefix_steps}: must not be negative")
     engine_thread = EngineThread("tts-engine")
-    servicer = SpeechServicer(engine_thread, max_batch=args.max_batch)
+    servicer = SpeechServicer(engine_thread, max_batch=args.max_batch, batch_gather_s=args.batch_wait_ms / 1000.0)
     return ServiceSpec(
         registrations=[(speech_pb2_grpc.add_SpeechServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

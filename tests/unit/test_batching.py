@@ -200,3 +200,52 @@ def test_queued_and_running_count_the_steps_not_yet_answered(engine_thread):
         return counts, (batcher.running, batcher.queued)
 
     assert asyncio.run(scenario()) == ((1, 2), (0, 0))
+
+
+def test_an_idle_engine_waits_briefly_for_the_other_open_sessions(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder, sessions=lambda: 3, gather_s=0.9)
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.05)  # well inside the gather window
+        return await asyncio.gather(first, batcher.submit(2), batcher.submit(3))
+
+    assert asyncio.run(scenario()) == [10, 20, 30]
+    assert recorder.batches == [[1, 2, 3]]
+
+
+def test_the_gather_wait_ends_at_its_deadline_and_never_exceeds_max_batch(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder, max_batch=2, sessions=lambda: 3, gather_s=0.05)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        alone = await batcher.submit(1)  # the other two sessions never send: it runs after the deadline
+        waited = loop.time() - start
+        pair = await asyncio.gather(*(batcher.submit(n) for n in (2, 3, 4)))
+        return alone, waited, pair
+
+    alone, waited, pair = asyncio.run(scenario())
+    assert alone == 10 and waited >= 0.045
+    assert pair == [20, 30, 40] and recorder.batches[1:] == [[2, 3], [4]]
+
+
+def test_a_lone_session_never_waits_for_company(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder, sessions=lambda: 1, gather_s=0.9)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = [await batcher.submit(n) for n in range(3)]
+        return results, loop.time() - start
+
+    results, elapsed = asyncio.run(scenario())
+    assert results == [0, 10, 20] and elapsed < 0.9  # one gather window would already be 0.9 s
+
+
+def test_gather_must_be_under_a_second(engine_thread):
+    with pytest.raises(ValueError, match="gather_s must be in"):
+        StepBatcher(engine_thread, lambda entries: entries, gather_s=1.5)
