@@ -6,6 +6,7 @@ import argparse
 
 from services.codec.engine import DEFAULT_MAX_FRAMES
 from services.codec.service import build_spec
+from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, exit_process, run_service
 
 
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_frames <= 0:
         raise ValueError(f"--max-frames {args.max_frames}: must be positive")
-    return build_spec(args.model, args.max_frames, args.max_batch, args.batch_wait_ms / 1000.0)
+    return build_spec(args.model, args.max_frames, BatchOptions.from_args(args))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from services.codec.codec import PREFIX, Codec, DecodeState
+from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.errors import LimitExceeded
 
@@ -250,6 +251,19 @@ class CodecEngine:
     def open_stream(self) -> DecodeStream:
         """A fresh causal decode stream (its state is freed with the object)."""
         return DecodeStream(self)
+
+    def precompile(self, max_batch: int, steps: int = 2) -> None:
+        """Decode `steps` batched frames of code 0 at every batch size 1..max_batch on throwaway streams, so
+        each size's compiled step is traced (and, on a GPU, its kernels built) before a client's frame waits for
+        it. The streams are dropped after, and with them the batch state they left."""
+        streams = [self.open_stream() for _ in range(max_batch)]
+        codes = np.zeros(self.num_quantizers, np.int32)
+        for stream in streams:
+            stream.decode_frame(0, codes)
+        for size in range(1, max_batch + 1):
+            for _ in range(steps):
+                raise_first(self.decode_batch([(s, s.next_frame, codes) for s in streams[:size]]))
+        self._last_batch = None
 
 
 class DecodeStream:

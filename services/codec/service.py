@@ -15,7 +15,7 @@ import numpy as np
 
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine, DecodeStream
-from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
@@ -30,15 +30,14 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     """Serves one CodecEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: CodecEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_gather_s: float = DEFAULT_GATHER_S):
+                 metrics: Metrics | None = None, batching: BatchOptions | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open DecodeStream sessions
         self.metrics = metrics or Metrics("codec")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._decode_frames, max_batch, on_batch=self.metrics.batch,
-                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
+        self.batcher = StepBatcher.with_options(engine_thread, self._decode_frames, batching or BatchOptions(),
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
 
     @property
     def engine(self) -> CodecEngine:
@@ -48,6 +47,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
     async def load(self, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> None:
         """Load the checkpoint's codec tensors on the engine thread."""
         self._engine = await self.engine_thread.run(CodecEngine.load, model_dir, max_frames)
+        await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = VoiceChatConfig.load(model_dir).frame_duration
 
     async def Encode(self, request: codec_pb2.CodecEncodeRequest, context) -> codec_pb2.CodecEncodeResponse:
@@ -110,10 +110,10 @@ def _decoded_response(entry: tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput
 
 
 def build_spec(model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES,
-               max_batch: int = DEFAULT_MAX_BATCH, batch_gather_s: float = DEFAULT_GATHER_S) -> ServiceSpec:
+               batching: BatchOptions | None = None) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="codec-engine")
-    servicer = CodecServicer(engine_thread, max_batch=max_batch, batch_gather_s=batch_gather_s)
+    servicer = CodecServicer(engine_thread, batching=batching)
     return ServiceSpec(
         registrations=[(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

@@ -16,8 +16,10 @@ on its own (bad input), so one session's error reaches that session only.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from services.common.engine_thread import EngineThread
@@ -31,6 +33,21 @@ DEFAULT_MAX_BATCH = 16
 DEFAULT_GATHER_S = 0.002
 
 
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a service batches: at most `max_batch` sessions per step, a gather wait of `gather_s`, and the batch
+    sizes 1..`precompile` traced at load (0: each size is traced when it first occurs)."""
+
+    max_batch: int = DEFAULT_MAX_BATCH
+    gather_s: float = DEFAULT_GATHER_S
+    precompile: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BatchOptions:
+        """From the common service flags --max-batch, --batch-wait-ms and --precompile-batches."""
+        return cls(args.max_batch, args.batch_wait_ms / 1000.0, args.precompile_batches)
+
+
 class StepBatcher(Generic[Entry, Result]):
     """Gathers concurrent `submit` calls into batched engine-thread jobs of at most `max_batch` entries.
 
@@ -39,12 +56,14 @@ class StepBatcher(Generic[Entry, Result]):
     `submit` calls must come from one event loop (a gRPC aio server's).
 
     `sessions()` says how many sessions are open (steps that may come); with it, a batch waits up to `gather_s`
-    for that many steps before it starts. Without it no batch waits."""
+    for that many steps before it starts. Without it no batch waits. `precompile` is the largest batch size
+    `precompile()` has the engine trace at load (capped at max_batch)."""
 
     def __init__(self, engine_thread: EngineThread,
                  run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]],
                  max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
-                 sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S) -> None:
+                 sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S,
+                 precompile: int = 0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= gather_s < 1:
@@ -55,10 +74,24 @@ class StepBatcher(Generic[Entry, Result]):
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self.sessions = sessions
         self.gather_s = gather_s
+        self.precompile_sizes = min(max(precompile, 0), max_batch)
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._running = 0  # entries of the batch on the engine thread now
+
+    @classmethod
+    def with_options(cls, engine_thread: EngineThread,
+                     run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]], options: BatchOptions,
+                     on_batch: Callable[[int], None] | None = None,
+                     sessions: Callable[[], int] | None = None) -> StepBatcher[Entry, Result]:
+        return cls(engine_thread, run_batch, options.max_batch, on_batch, sessions, options.gather_s,
+                   options.precompile)
+
+    async def precompile(self, precompile: Callable[[int], None]) -> None:
+        """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
+        if self.precompile_sizes:
+            await self.engine_thread.run(precompile, self.precompile_sizes)
 
     @property
     def queued(self) -> int:
@@ -139,6 +172,14 @@ class StepBatcher(Generic[Entry, Result]):
         if len(results) != len(entries):
             raise RuntimeError(f"a batched step returned {len(results)} results for {len(entries)} entries")
         return results
+
+
+def raise_first(results: Sequence[object]) -> None:
+    """Raise the first exception instance among a batched call's results (for callers that own every entry,
+    such as a warm-up)."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def run_entries(entries: Sequence[Entry], prepare: Callable[[Entry], Prepared],

@@ -91,6 +91,14 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"them to join the batch (default {DEFAULT_GATHER_S * 1000.0:g}; 0 never waits; a lone session never waits)",
     )
     parser.add_argument(
+        "--precompile-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at load, run throwaway steps at every batch size 1..N (at most --max-batch) so no client frame waits "
+        "for a size's first compilation; worth it on a GPU, where that takes long (default 0: compile on first use)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -116,6 +124,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     if args.max_batch < 1:
         parser.error(f"--max-batch {args.max_batch}: must be at least 1")
+    if args.precompile_batches < 0:
+        parser.error(f"--precompile-batches {args.precompile_batches}: must be zero or more")
     if not 0 <= args.batch_wait_ms < 1000:
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
     return args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, exit_process, run_service
 from services.llm.engine import MAX_PROMPT_TOKENS
 from services.llm.service import build_spec
@@ -24,8 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, args.max_batch,
-                      args.batch_wait_ms / 1000.0)
+    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, BatchOptions.from_args(args))
 
 
 if __name__ == "__main__":

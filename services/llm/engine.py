@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import Tokenizer
 
+from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
@@ -250,6 +251,21 @@ class LanguageEngine:
         self._sessions.pop(session.session_id, None)
 
     # ---- several sessions' steps at once --------------------------------------------------------------------
+
+    def precompile(self, max_batch: int, steps: int = 2) -> None:
+        """Run `steps` batched steps at every batch size 1..max_batch on throwaway sessions opened the way a
+        streaming session is (bf16 prompt prefix), so the compiled pieces of each size are traced (and, on a GPU,
+        their kernels built) before a client's frame waits for them. Leaves no session open."""
+        sessions = [self.open_session(prompt_token_ids=[self.model.bos_id, self.model.eos_id], prefix_dtype="bfloat16")
+                    for _ in range(max_batch)]
+        try:
+            audio = mx.zeros((self.model.hidden_size,), mx.float32)
+            for size in range(1, max_batch + 1):
+                for _ in range(steps):
+                    raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
+        finally:
+            for session in sessions:
+                self.close_session(session)
 
     def step_batch(self, steps: Sequence[Step]) -> list[StepOutput | Exception]:
         """Each entry is the arguments of `session.step(audio, return_logits, frame_index)`; returns what each

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
-from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, run_entries
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
@@ -38,15 +38,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
     """Serves one LanguageEngine; all its MLX work runs on `engine_thread`."""
 
     def __init__(self, engine_thread: EngineThread, engine: LanguageEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_gather_s: float = DEFAULT_GATHER_S) -> None:
+                 metrics: Metrics | None = None, batching: BatchOptions | None = None) -> None:
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch,
-                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
+        self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -57,6 +56,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                    weights_dtype: str | None = None) -> None:
         """Load the checkpoint's language tensors and tokenizer on the engine thread."""
         self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, weights_dtype)
+        await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
     async def Stream(
@@ -124,11 +124,10 @@ def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: 
 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               weights_dtype: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-               batch_gather_s: float = DEFAULT_GATHER_S) -> ServiceSpec:
+               weights_dtype: str | None = None, batching: BatchOptions | None = None) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
-    servicer = LanguageServicer(engine_thread, max_batch=max_batch, batch_gather_s=batch_gather_s)
+    servicer = LanguageServicer(engine_thread, batching=batching)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

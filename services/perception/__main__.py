@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     engine_thread = EngineThread("perception")
-    servicer = PerceptionServicer(engine_thread, max_batch=args.max_batch, batch_gather_s=args.batch_wait_ms / 1000.0)
+    servicer = PerceptionServicer(engine_thread, batching=BatchOptions.from_args(args))
 
     async def load() -> None:
         await servicer.load(args.model, args.float32_weights)

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
@@ -206,6 +207,20 @@ class PerceptionEngine:
 
     def open_stream(self) -> PerceptionStream:
         return PerceptionStream(self)
+
+    def precompile(self, max_batch: int, steps: int = 2) -> None:
+        """Push quiet noise through throwaway streams until their caches are full, then run `steps` batched
+        pushes at every batch size 1..max_batch, so each size's compiled step is traced (and, on a GPU, its
+        kernels built) before a client's frame waits for it. The streams are dropped after."""
+        noise = np.random.default_rng(0)
+        frame = lambda: (1e-3 * noise.standard_normal(self.frame_samples)).astype(np.float32)  # noqa: E731
+        streams = [self.open_stream() for _ in range(max_batch)]
+        for stream in streams:
+            while not stream.batchable:
+                stream.push(frame())
+        for size in range(1, max_batch + 1):
+            for _ in range(steps):
+                raise_first(self.push_batch([(stream, frame()) for stream in streams[:size]]))
 
     def push_batch(
         self, frames: Sequence[tuple[PerceptionStream, mx.array | np.ndarray]]

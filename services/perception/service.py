@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
-from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, run_entries
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
@@ -27,19 +27,19 @@ SERVICE_NAME = full_service_name(perception_pb2, "PerceptionService")
 
 class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: PerceptionEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_gather_s: float = DEFAULT_GATHER_S):
+                 metrics: Metrics | None = None, batching: BatchOptions | None = None):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions
         self.metrics = metrics or Metrics("perception")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._push_frames, max_batch, on_batch=self.metrics.batch,
-                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
+        self.batcher = StepBatcher.with_options(engine_thread, self._push_frames, batching or BatchOptions(),
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
         self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, float32_weights)
+        await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from protos.voicechat.v1 import speech_pb2_grpc
+from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS
@@ -28,7 +29,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prefix_steps < 0:
         raise ValueError(f"--max-prefix-steps {args.max_prefix_steps}: must not be negative")
     engine_thread = EngineThread("tts-engine")
-    servicer = SpeechServicer(engine_thread, max_batch=args.max_batch, batch_gather_s=args.batch_wait_ms / 1000.0)
+    servicer = SpeechServicer(engine_thread, batching=BatchOptions.from_args(args))
     return ServiceSpec(
         registrations=[(speech_pb2_grpc.add_SpeechServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],

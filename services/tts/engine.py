@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
+from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
@@ -110,6 +111,18 @@ class TTSEngine:
     def open_session(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int = 0) -> TTSSession:
         """Warm up a new session on the speaker prompt, then run `prefix_steps` pad steps."""
         return TTSSession(self, seed, prompt_codes, prefix_steps)
+
+    def precompile(self, max_batch: int, steps: int = 2) -> None:
+        """Run `steps` batched pad steps at every batch size 1..max_batch on throwaway sessions (prompted with
+        silence codes), so each size's compiled code generation is traced (and, on a GPU, its kernels built)
+        before a client's frame waits for it. The sessions are dropped after."""
+        silence = np.array(self.silence_codes, dtype=np.int32)
+        prompt = np.broadcast_to(silence, (self.prompt_frames, self.num_quantizers)).copy()
+        sessions = [self.open_session(seed, prompt) for seed in range(max_batch)]
+        pad = self.config.pad_token_id
+        for size in range(1, max_batch + 1):
+            for _ in range(steps):
+                raise_first(self.step_batch([(session, pad) for session in sessions[:size]]))
 
     def step_batch(self, steps: Sequence[tuple[TTSSession, int]]
                    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
-from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH, StepBatcher
+from services.common.batching import BatchOptions, StepBatcher
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
@@ -28,19 +28,19 @@ SERVICE_NAME = full_service_name(speech_pb2, "SpeechService")
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(self, engine_thread: EngineThread, engine: TTSEngine | None = None,
-                 metrics: Metrics | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_gather_s: float = DEFAULT_GATHER_S):
+                 metrics: Metrics | None = None, batching: BatchOptions | None = None):
         self.engine_thread = engine_thread
         self.engine = engine
         self.live_sessions = 0  # open Stream sessions
         self.metrics = metrics or Metrics("tts")
         self.metrics.track_sessions(lambda: self.live_sessions)
-        self.batcher = StepBatcher(engine_thread, self._run_steps, max_batch, on_batch=self.metrics.batch,
-                                   sessions=lambda: self.live_sessions, gather_s=batch_gather_s)
+        self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False,
                    max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
         self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights, max_prefix_steps)
+        await self.batcher.precompile(self.engine.precompile)
         self.metrics.frame_budget_s = self.engine.config.frame_duration
 
     async def Describe(

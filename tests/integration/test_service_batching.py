@@ -1,5 +1,5 @@
 """Each service over a real grpc.aio server: concurrent sessions' steps run as batches, and every session gets
-exactly what it gets alone.
+exactly what it gets alone, whether the batch sizes were compiled at load (--precompile-batches) or on use.
 
 The engine thread is held while the sessions' frame i arrives, so the steps queue up and meet in at most two
 batches (the one the drain took when the first step arrived, and the rest); then the same sessions run one at a
@@ -88,13 +88,16 @@ async def run_alone(channel, load, frames: int, seed: int) -> list[bytes]:
     return out
 
 
+@pytest.mark.parametrize("precompile", [0, 3], ids=["compiled-on-use", "precompiled"])
 @pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
-def test_concurrent_sessions_batch_and_each_equals_its_solo_run(tiny_checkpoint, name):
+def test_concurrent_sessions_batch_and_each_equals_its_solo_run(tiny_checkpoint, name, precompile):
     config = VoiceChatConfig.load(tiny_checkpoint)
     seeds = [11, 22, 33][:SESSIONS]
 
     async def scenario():
-        async with served(name, tiny_checkpoint) as (address, servicer):
+        async with served(name, tiny_checkpoint, "--precompile-batches", str(precompile)) as (address, servicer):
+            if name == "llm":
+                assert servicer.engine.live_sessions == 0  # the precompile's sessions are gone
             load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
             async with grpc.aio.insecure_channel(address) as channel:
                 together = await run_together(channel, load, servicer, FRAMES, seeds)
@@ -129,9 +132,15 @@ def test_max_batch_one_runs_every_step_alone(tiny_checkpoint):
     assert asyncio.run(scenario()) == (12, 12)
 
 
-def test_max_batch_below_one_is_a_usage_error(tiny_checkpoint, capsys):
+def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
     parser = build_parser("services.codec", "")
     with pytest.raises(SystemExit):
         parse_args(parser, ["--model", str(tiny_checkpoint), "--max-batch", "0"])
     assert "--max-batch 0: must be at least 1" in capsys.readouterr().err
+    for flag, value, message in (("--batch-wait-ms", "-1", "must be at least 0 and under 1000"),
+                                 ("--batch-wait-ms", "1000", "must be at least 0 and under 1000"),
+                                 ("--precompile-batches", "-2", "must be zero or more")):
+        with pytest.raises(SystemExit):
+            parse_args(parser, ["--model", str(tiny_checkpoint), flag, value])
+        assert f"{flag} {float(value) if flag == '--batch-wait-ms' else value}: {message}" in capsys.readouterr().err
     assert isinstance(parse_args(parser, ["--model", str(tiny_checkpoint)]), argparse.Namespace)

@@ -249,3 +249,20 @@ def test_a_lone_session_never_waits_for_company(engine_thread):
 def test_gather_must_be_under_a_second(engine_thread):
     with pytest.raises(ValueError, match="gather_s must be in"):
         StepBatcher(engine_thread, lambda entries: entries, gather_s=1.5)
+
+
+def test_precompile_runs_on_the_engine_thread_capped_at_max_batch(engine_thread):
+    from services.common.batching import BatchOptions
+
+    calls = []
+
+    def precompile(sizes: int) -> None:
+        calls.append((sizes, engine_thread.on_engine_thread()))
+
+    async def scenario(options):
+        await StepBatcher.with_options(engine_thread, lambda entries: entries, options).precompile(precompile)
+
+    asyncio.run(scenario(BatchOptions(max_batch=4, precompile=9)))
+    asyncio.run(scenario(BatchOptions(max_batch=8, precompile=3)))
+    asyncio.run(scenario(BatchOptions(max_batch=8)))  # 0: nothing at load
+    assert calls == [(4, True), (3, True)]
