@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ import numpy as np
 
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
 from orchestrator.connect import ServiceError, add_deadline_flags, connect, deadlines_from_args, parse_services
-from orchestrator.model import resolve_model
+from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
 from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
@@ -145,6 +146,15 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def model_for(args: argparse.Namespace) -> Path:
+    """The checkpoint this command reads its config, tokenizer and transcript vocabulary from. With --services it
+    must be named: running services bring their own checkpoint, and the demo would silently not match it."""
+    if args.services is not None and not (args.model or os.environ.get(MODEL_ENV)):
+        raise UsageError(f"--services needs --model DIR (or ${MODEL_ENV}): the checkpoint those services run, whose "
+                         "config, tokenizer and transcript vocabulary this orchestrator reads")
+    return resolve_model(args.model)
+
+
 def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.ndarray, TextDecoder]:
     """What `offline` and `stream` share: flags checked and outputs writable before any work, then the model,
     its config, the input at 16 kHz with the decoding silence appended, and the text decoder."""
@@ -155,7 +165,7 @@ def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.nd
     check_writable(args.output_audio, overwrite=args.force)
     if args.dump:
         check_writable(args.dump, overwrite=args.force)
-    model = resolve_model(args.model)
+    model = model_for(args)
     config = VoiceChatConfig.load(model)
     waveform = read_audio(args.input, config.input_sample_rate)
     waveform = append_silence(waveform, args.extra_decoding_seconds, config.input_sample_rate)
@@ -295,7 +305,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
-    model = resolve_model(args.model)
+    model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration)
     try:  # bound before the services start: a busy port fails at once
         exposition = start_from_args(metrics, args, args.host)

@@ -139,3 +139,15 @@ def test_a_service_killed_mid_stream_is_named_and_nothing_hangs(tiny_checkpoint,
             assert session.closed
         finally:
             clients.close()
+
+
+@pytest.mark.parametrize("command", ["stream", "offline", "serve"])
+def test_running_services_need_the_model_named(monkeypatch, tmp_path, capsys, command):
+    monkeypatch.delenv("VOICECHAT_MODEL", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a demo fallback would have to build here
+    services = "perception=127.0.0.1:1,llm=127.0.0.1:1,tts=127.0.0.1:1,codec=127.0.0.1:1"
+    argv = [command, "--services", services] + ([] if command == "serve" else [str(QUESTION_WAV)])
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--services needs --model DIR" in err[0]
+    assert not any(tmp_path.iterdir())  # no demo checkpoint was made
