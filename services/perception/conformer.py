@@ -255,16 +255,18 @@ class ConformerBlock:
         return self.norm_out(x)
 
     def step(
-        self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, pos_emb: mx.array, left: int
+        self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, pos_emb: mx.array, left: int,
+        key_mask: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Streaming: x (B, c, D) new frames; attn_cache (B, n, D) earlier attention inputs (n ≤ left);
-        conv_cache (B, k-1, D) earlier GLU outputs; pos_emb (1, 2(n+c)-1, D).
+        conv_cache (B, k-1, D) earlier GLU outputs; pos_emb (1, 2(n+c)-1, D); key_mask, when some rows' caches
+        are front-padded, additive (B, 1, 1, n+c) hiding those padding keys.
         Returns (out (B, c, D), attn_cache', conv_cache')."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
         kv = mx.concatenate([attn_cache, xn], axis=1)
-        # the window is exactly the allowed left context, so no mask
-        x = x + self.attn(xn, kv, pos_emb, None)
+        # the window is exactly the allowed left context, so only padding needs a mask
+        x = x + self.attn(xn, kv, pos_emb, key_mask)
         g = self.conv.gated(self.norm_conv(x))
         din = mx.concatenate([conv_cache, g], axis=1)
         x = x + self.conv.finish(din)
@@ -294,14 +296,16 @@ class Conformer:
         return x
 
     def step(
-        self, x: mx.array, attn_caches: list[mx.array], conv_caches: list[mx.array]
+        self, x: mx.array, attn_caches: list[mx.array], conv_caches: list[mx.array],
+        key_mask: mx.array | None = None,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        """Streaming over all layers: x (1, c, d_model) subsampled frames -> (1, c, d_model) and new caches."""
+        """Streaming over all layers: x (B, c, d_model) subsampled frames -> (B, c, d_model) and new caches;
+        key_mask as in `ConformerBlock.step`."""
         pos_emb = rel_positions(attn_caches[0].shape[1] + x.shape[1], self.cfg.d_model, self.cfg.pos_emb_max_len)
         pos_emb = pos_emb.astype(x.dtype)
         new_attn, new_conv = [], []
         for layer, a, c in zip(self.layers, attn_caches, conv_caches, strict=True):
-            x, a, c = layer.step(x, a, c, pos_emb, self.cfg.left_context)
+            x, a, c = layer.step(x, a, c, pos_emb, self.cfg.left_context, key_mask)
             new_attn.append(a)
             new_conv.append(c)
         return x, new_attn, new_conv
@@ -312,6 +316,20 @@ class Conformer:
         """One streaming push as a pure function: subsample the mel window (1, W, n_mels), run its encoder
         frames [lo, hi) through every layer. Caches in, (frames (1, hi - lo, d_model), caches') out."""
         return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches)
+
+    def padded_stream_step(
+        self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array], conv_caches: list[mx.array],
+        key_mask: mx.array,
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """`stream_step` for rows whose attention caches are front-padded to the full left context: key_mask
+        (B, 1, 1, left + c) is 0 for a row's real keys and NEG_INF for its padding. Every shape is the full-cache
+        one, so sessions whose caches are still filling can step in one batch with any others."""
+        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches, key_mask)
+
+    @functools.cached_property
+    def compiled_padded_stream_step(self):
+        """`padded_stream_step` compiled: traced once per batch size, window shape and (lo, hi)."""
+        return mx.compile(self.padded_stream_step)
 
     @functools.cached_property
     def compiled_stream_step(self):

@@ -24,7 +24,7 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
-from services.perception.conformer import Conformer, Conv
+from services.perception.conformer import NEG_INF, Conformer, Conv
 from services.perception.mel import MelStream, log_mel
 from services.perception.rnnt import (
     RNNT,
@@ -96,6 +96,20 @@ def check_waveform(samples: np.ndarray | mx.array, sample_rate_hz: int, expected
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"waveform has non-finite samples (first at index {bad})")
     return mx.array(arr.astype(np.float32, copy=False))
+
+
+def _front_pad(cache: mx.array, length: int) -> mx.array:
+    """cache (1, n, D), n <= length -> (1, length, D) with zero rows in front (itself when n == length)."""
+    missing = length - cache.shape[1]
+    return cache if missing == 0 else mx.pad(cache, [(0, 0), (missing, 0), (0, 0)])
+
+
+def _padding_mask(held: list[int], left: int, new: int) -> mx.array:
+    """(B, 1, 1, left + new) additive key mask: NEG_INF on the front padding of each row whose cache holds
+    `held[b]` < left inputs, 0 on its real keys."""
+    positions = np.arange(left + new)[None, :]
+    padding = positions < (left - np.asarray(held))[:, None]
+    return mx.array(np.where(padding, NEG_INF, 0.0).astype(np.float32))[:, None, None, :]
 
 
 class RowSources:
@@ -209,18 +223,26 @@ class PerceptionEngine:
         return PerceptionStream(self)
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
-        """Push quiet noise through throwaway streams until their caches are full, then run `steps` batched
-        pushes at every batch size 1..max_batch, so each size's compiled step is traced (and, on a GPU, its
-        kernels built) before a client's frame waits for it. The streams are dropped after."""
+        """Push quiet noise through throwaway streams: `steps` batched pushes at every batch size 1..max_batch
+        while their attention caches fill (the padded step), again once they are full (the plain step), so each
+        size's compiled steps are traced (and, on a GPU, their kernels built) before a client's frame waits for
+        them. The streams are dropped after."""
         noise = np.random.default_rng(0)
         frame = lambda: (1e-3 * noise.standard_normal(self.frame_samples)).astype(np.float32)  # noqa: E731
         streams = [self.open_stream() for _ in range(max_batch)]
+
+        def push(some: list[PerceptionStream]) -> None:
+            raise_first(self.push_batch([(stream, frame()) for stream in some]))
+
         for stream in streams:
             while not stream.batchable:
                 stream.push(frame())
-        for size in range(1, max_batch + 1):
-            for _ in range(steps):
-                raise_first(self.push_batch([(stream, frame()) for stream in streams[:size]]))
+        for _ in range(2):  # caches filling, then full
+            for size in range(1, max_batch + 1):
+                for _ in range(steps):
+                    push(streams[:size])
+            while not all(stream.encoder.caches_full for stream in streams):
+                push(streams)
 
     def push_batch(
         self, frames: Sequence[tuple[PerceptionStream, mx.array | np.ndarray]]
@@ -228,11 +250,12 @@ class PerceptionEngine:
         """`stream.push(frame)` for several sessions as one step; entry i's result is what that push returns,
         or the ValueError it raises (that session's state untouched).
 
-        Sessions past their warm-up (attention caches full) whose encoder windows share one shape run the
-        conformer step, the projection and the RNNT's first greedy steps as one batched graph with one
-        evaluation; sessions whose every greedy step emitted propose their next ones together, one host read
-        per round. The log-mel front end stays per session. A batch of one,
-        a session still filling its caches, and a session alone with its window shape take the solo path."""
+        Sessions past their first push whose encoder windows share one shape run the conformer step, the
+        projection and the RNNT's first greedy steps as one batched graph with one evaluation; a session whose
+        attention caches are still filling joins with its caches padded at the front and the padding masked
+        out. Sessions whose every greedy step emitted propose their next ones together, one host read per
+        round. The log-mel front end stays per session. A batch of one, a session's first push, and a session
+        alone with its window shape take the solo path."""
         streams = [stream for stream, _ in frames]
         if len({id(s) for s in streams}) != len(streams):
             raise ValueError("a stream appears more than once in one batch")
@@ -279,12 +302,20 @@ class PerceptionEngine:
         rows = self._rows
         encoders = [s.encoder for s in streams]
         n_layers = len(encoders[0].attn_caches)
-        attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
         conv = [rows.gather([e.conv_caches[n] for e in encoders]) for n in range(n_layers)]
-        h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
+        left = self.encoder.cfg.left_context
+        held = [e.attn_caches[0].shape[1] for e in encoders]  # cached attention inputs per session
+        if min(held) == left:
+            attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
+            h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
+        else:  # some caches are still filling: pad them at the front and mask the padding out
+            attn = [rows.gather([_front_pad(e.attn_caches[n], left) for e in encoders]) for n in range(n_layers)]
+            h, attn, conv = self.encoder.compiled_padded_stream_step(window, lo, hi, attn, conv,
+                                                                     _padding_mask(held, left, hi - lo))
         attn_rows, conv_rows = [rows.split(a) for a in attn], [rows.split(c) for c in conv]
         for b, e in enumerate(encoders):
-            e.attn_caches = [r[b] for r in attn_rows]
+            keep = min(held[b] + hi - lo, left)  # what the solo step keeps: the real rows only
+            e.attn_caches = [r[b] if keep == left else r[b][:, left - keep :] for r in attn_rows]
             e.conv_caches = [r[b] for r in conv_rows]
         embedding = self.proj(h)  # (B, 1, hidden)
         rnnt = self.rnnt
@@ -364,9 +395,10 @@ class PerceptionStream:
 
     @property
     def batchable(self) -> bool:
-        """Past the warm-up: the next push is one compiled encoder step on full caches, nothing pending."""
+        """Past its first push, nothing pending: the next push is one encoder step, which can join a batch (its
+        attention caches may still be filling: the batch pads them)."""
         enc = self.encoder
-        return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0) and enc.caches_full
+        return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0)
 
     def held_rows(self) -> list[mx.array]:
         """The cache arrays this session holds (the encoder's per-layer caches and the LSTM state)."""

@@ -14,7 +14,7 @@ from services.perception.engine import PerceptionEngine, RowSources
 from services.perception.rnnt import RNNT, JointNetwork, LSTMLayer, PredictionNetwork
 
 TOL = 1e-5
-FRAMES = 28  # the tiny encoder's left context is 12 frames: a session batches from its 14th frame on
+FRAMES = 28  # the tiny encoder's left context is 12 frames: a session's caches fill over its first 13 pushes
 
 
 # input gain per checkpoint: the quantized tiny RNNT emits only on loud input
@@ -102,6 +102,43 @@ def test_batched_sessions_equal_their_solo_runs_as_the_batch_changes(engine, bat
     assert diff <= TOL
     # batching really happened, at several sizes
     assert max(batch_sizes) == 4 and {2, 3} <= set(batch_sizes)
+
+
+def test_sessions_still_filling_their_caches_batch_padded_and_equal_solo(engine, monkeypatch):
+    padded = []
+    original = engine.encoder.compiled_padded_stream_step
+
+    def spy(window, lo, hi, attn, conv, key_mask):
+        padded.append(np.array(key_mask)[:, 0, 0, :])
+        return original(window, lo, hi, attn, conv, key_mask)
+
+    monkeypatch.setitem(engine.encoder.__dict__, "compiled_padded_stream_step", spy)
+    audio = [_audio(engine, k) for k in range(3)]
+    expected = [_solo(engine, a, 16) for a in audio]
+    start = [0, 1, 6]  # every session starts inside the others' filling window
+    streams = [engine.open_stream() for _ in audio]
+    got = [[] for _ in audio]
+    for tick in range(start[-1] + 16):
+        due = [k for k in range(3) if start[k] <= tick < start[k] + 16]
+        entries = [(streams[k], _frame(engine, audio[k], tick - start[k])) for k in due]
+        for k, out in zip(due, engine.push_batch(entries), strict=True):
+            got[k].append(out)
+    for k in range(3):
+        for e, g in zip(expected[k], got[k], strict=True):
+            _assert_same(e, g)
+        assert [c.shape for c in streams[k].encoder.attn_caches] == [c.shape for c in _solo_caches(engine, audio[k])]
+    left = engine.encoder.cfg.left_context
+    assert padded and all(mask.shape[1] == left + 1 for mask in padded)
+    # a young session's padding is masked, a full one's row is not: both kinds went through the padded step
+    assert any((mask[:, :left] < -1e29).any(axis=1).sum() for mask in padded)
+    assert any(((mask == 0).all(axis=1)).any() for mask in padded)
+
+
+def _solo_caches(engine, audio: np.ndarray, frames: int = 16) -> list[mx.array]:
+    stream = engine.open_stream()
+    for f in range(frames):
+        stream.push(_frame(engine, audio, f))
+    return stream.encoder.attn_caches
 
 
 def test_a_batch_of_one_is_the_solo_push_bit_for_bit(engine, batch_sizes):
