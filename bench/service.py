@@ -7,9 +7,10 @@
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
 the previous one's reply has arrived, as the frame clock does), so concurrent sessions' steps meet in the
-service's batches. Reported per K: frames per second over all sessions and per-frame latency p50/p95, over gRPC
-and for the same K sessions stepped together on the engine in this process (its batched call); the difference
-of the two latencies is what the transport and the service's queueing cost.
+service's batches. Reported per K: the service's mean batch size (from its metrics), frames per second over all
+sessions and per-frame latency p50/p95, over gRPC and for the same K sessions stepped together on the engine in
+this process (its batched call); the difference of the two latencies is what the transport and the service's
+queueing cost. A service the bench starts has the batch sizes it will see compiled at load.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from protos.voicechat.v1 import (
     speech_pb2_grpc,
 )
 from services.common.config import VoiceChatConfig
+from services.common.metrics import scrape
 from services.common.tensors import to_proto_np
 
 SERVICES = ("perception", "llm", "tts", "codec")
@@ -179,6 +181,16 @@ def prompt_frames(address: str) -> int:
         return speech_pb2_grpc.SpeechServiceStub(channel).Describe(speech_pb2.SpeechDescribeRequest()).prompt_frames
 
 
+def batches(metrics_url: str | None) -> tuple[float, float] | None:
+    """(batched steps, sessions stepped) so far, from the service's voicechat_batch_size histogram."""
+    if not metrics_url:
+        return None
+    page = scrape(metrics_url)
+    count = next((v for (name, _), v in page.items() if name == "voicechat_batch_size_count"), None)
+    total = next((v for (name, _), v in page.items() if name == "voicechat_batch_size_sum"), None)
+    return None if count is None or total is None else (count, total)
+
+
 def session_counts(text: str) -> list[int]:
     """"1,8,16" -> [1, 8, 16]."""
     try:
@@ -201,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-in-process", dest="in_process", action="store_false",
                         help="skip the in-process comparison (it loads the model a second time)")
+    parser.add_argument("--metrics-url", help="the --address service's /metrics URL: report its mean batch size "
+                        "(a service this bench starts is scraped anyway)")
     parser.add_argument("--weights-dtype", choices=["stored", "bfloat16"], default="stored",
                         help="llm only: the language weights' dtype, for the started service and in-process")
     parser.add_argument("--json", action="store_true")
@@ -209,14 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     child = None
     address = args.address
     dtype = None if args.weights_dtype == "stored" else args.weights_dtype
+    metrics_url = args.metrics_url
     try:
         if address is None:
-            extra = ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
+            extra = ["--metrics-port", "0", "--max-batch", str(max(args.sessions)),
+                     "--precompile-batches", str(max(args.sessions))]
+            extra += ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
             child = spawn_service(args.service, args.model, extra)
             wait_ready([child])
-            address = child.address
+            address, metrics_url = child.address, child.metrics_url
         load = workload(args.service, config, prompt_frames(address) if args.service == "tts" else 0)
-        grpc_runs = [asyncio.run(drive(address, load, k, args.frames, args.warmup)) for k in args.sessions]
+        grpc_runs = []
+        for k in args.sessions:
+            before = batches(metrics_url)
+            run = asyncio.run(drive(address, load, k, args.frames, args.warmup))
+            after = batches(metrics_url)
+            if before and after and after[0] > before[0]:
+                run["mean_batch"] = (after[1] - before[1]) / (after[0] - before[0])
+            grpc_runs.append(run)
     finally:
         if child is not None:
             stop([child])
@@ -231,14 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{args.service} at {address}: {args.frames} frames per session after {args.warmup} warm-up")
-    print("| sessions | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | in-process p50 / p95 ms | "
-          "transport p50 ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| sessions | mean batch | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | "
+          "in-process p50 / p95 ms | transport p50 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         g, p = row["grpc"], row["in_process"]
         here = (f"{p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / {p['latency_p95_ms']:.2f} | "
                 f"{row['transport_ms_p50']:.2f}") if p else "- | - | -"
-        print(f"| {row['sessions']} | {g['frames_per_second']:.1f} | {g['latency_p50_ms']:.2f} / "
+        batch = f"{g['mean_batch']:.1f}" if "mean_batch" in g else "-"
+        print(f"| {row['sessions']} | {batch} | {g['frames_per_second']:.1f} | {g['latency_p50_ms']:.2f} / "
               f"{g['latency_p95_ms']:.2f} | {here} |")
     return 0
 

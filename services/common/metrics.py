@@ -27,10 +27,12 @@ import os
 import socket
 import socketserver
 import threading
+import urllib.request
 from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.parser import text_string_to_metric_families
 
 SERVICES = ("perception", "llm", "tts", "codec", "orchestrator")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -172,6 +174,21 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def parse_exposition(text: str) -> Samples:
+    """Prometheus exposition text as {(sample name, frozenset of label items): value}."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Samples:
+    """GET one /metrics page and parse it as Prometheus does (`parse_exposition`)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse_exposition(response.read().decode())
 
 
 def _bracket(host: str) -> str:

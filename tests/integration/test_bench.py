@@ -15,6 +15,8 @@ def test_service_bench_reports_each_session_count_over_grpc_and_in_process(tiny_
                          "--warmup", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["service"] == name and [row["sessions"] for row in report["runs"]] == [1, 3]
+    # the service the bench started reports its batches: three sessions in lockstep share them
+    assert report["runs"][0]["grpc"]["mean_batch"] == 1.0 and report["runs"][1]["grpc"]["mean_batch"] > 1.0
     for row in report["runs"]:
         for side in (row["grpc"], row["in_process"]):
             assert side["sessions"] == row["sessions"] and side["frames_per_second"] > 0
@@ -26,7 +28,7 @@ def test_service_bench_table_without_the_in_process_side(tiny_checkpoint, capsys
     assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "2", "--frames", "2",
                          "--warmup", "0", "--no-in-process"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("| sessions | gRPC frames/s")
+    assert lines[1].startswith("| sessions | mean batch | gRPC frames/s")
     assert lines[3].startswith("| 2 | ") and lines[3].endswith("| - | - | - |")
 
 

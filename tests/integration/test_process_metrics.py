@@ -14,12 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
 from orchestrator.launcher import spawn_service, stop, wait_ready
@@ -27,7 +25,7 @@ from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, conversation_pb2_grpc
 from protos.voicechat.v1 import conversation_pb2 as pb
 from services.common.cli import parse_ready_line
 from services.common.errors import LimitExceeded
-from services.common.metrics import Metrics, parse_metrics_line
+from services.common.metrics import Metrics, parse_metrics_line, scrape
 from services.common.server import full_service_name, start_server
 from services.common.tensors import to_proto_np
 from tests.conftest import load_golden
@@ -39,14 +37,6 @@ FRAMES = 6
 PROMPT = "Be concise and answer in one sentence."
 NETWORK = ("perception", "llm", "tts", "codec")
 ROLES = (*NETWORK, "orchestrator")
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    """One /metrics page as {(sample name, labels): value}, parsed as Prometheus parses it."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(page: dict, name: str, service: str, **labels: str) -> float | None:

@@ -9,7 +9,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import (
     FRAME_BUCKETS,
@@ -18,6 +17,7 @@ from services.common.metrics import (
     MetricsServer,
     add_metrics_flags,
     parse_metrics_line,
+    scrape,
     start_from_args,
 )
 
@@ -25,18 +25,6 @@ from services.common.metrics import (
 DURATIONS = [0.004, 0.005, 0.03, 0.079, 0.08, 0.0801, 0.11, 2.0]
 EXPECTED_BUCKETS = {0.005: 2, 0.01: 2, 0.02: 2, 0.04: 3, 0.06: 3, 0.08: 5, 0.1: 6, 0.12: 7, 0.16: 7, 0.24: 7,
                     0.32: 7, 0.64: 7, 1.28: 7, float("inf"): 8}
-
-
-def samples(text: str) -> dict[tuple[str, frozenset], float]:
-    """Exposition text as {(sample name, labels): value}."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        return samples(response.read().decode())
 
 
 def label(**labels: str) -> frozenset:
