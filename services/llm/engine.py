@@ -87,10 +87,20 @@ class LanguageSession:
 
     def prefill(self, embeddings: mx.array) -> None:
         """embeddings: (P, D) prompt rows on the audio channel; both output channels stay pad."""
-        for i in range(embeddings.shape[0]):
-            self._run(embeddings[None, i : i + 1], want_heads=False)  # outputs stay pad: prev_* untouched
-        self.prompt_positions += embeddings.shape[0]
         self.prompt_embeds = embeddings
+        while self.prompt_pending:
+            self.feed_prompt_row()
+
+    @property
+    def prompt_pending(self) -> int:
+        """Prompt rows not fed yet (a session opened with `prefill=False` feeds them one at a time)."""
+        return 0 if self.prompt_embeds is None else self.prompt_embeds.shape[0] - self.prompt_positions
+
+    def feed_prompt_row(self) -> None:
+        """Feed the next prompt row alone: one position whose outputs stay pad (prev_* untouched)."""
+        i = self.prompt_positions
+        self._run(self.prompt_embeds[None, i : i + 1], want_heads=False)
+        self.prompt_positions += 1
 
     def step(self, audio: mx.array, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
         """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.
@@ -110,6 +120,8 @@ class LanguageSession:
         """The ValueError / LimitExceeded `step` raises for these arguments, before anything changes."""
         if self.closed:
             raise ValueError(f"session {self.session_id} is closed")
+        if self.prompt_pending:
+            raise ValueError(f"session {self.session_id} has {self.prompt_pending} prompt rows still to feed")
         if frame_index is not None and frame_index != self.frames:
             raise ValueError(f"frame_index {frame_index} is out of order; expected {self.frames}")
         if self.full_history and self.positions >= MAX_FULL_HISTORY_POSITIONS:
@@ -152,6 +164,17 @@ class _StatePool:
                 cache.conv, cache.ssm = mx.contiguous(cache.conv), mx.contiguous(cache.ssm)
                 copies += [cache.conv, cache.ssm]
         return copies
+
+
+def _split_groups(groups: dict[tuple, list[int]], solo: list[int], order) -> list[list[int]]:
+    """Groups of two or more entries, each sorted by `order`; a group of one joins `solo` (in place)."""
+    batched = []
+    for members in groups.values():
+        if len(members) == 1:
+            solo += members
+        else:
+            batched.append(sorted(members, key=order))
+    return batched
 
 
 def _mamba_states(session: LanguageSession, layers: list[int]) -> list[mx.array]:
@@ -215,12 +238,14 @@ class LanguageEngine:
         return [self.model.bos_id, *encoded, self.model.eos_id]
 
     def open_session(self, system_prompt: str = "", prompt_token_ids: list[int] | None = None,
-                     full_history: bool = False, prefix_dtype: str = "float32") -> LanguageSession:
+                     full_history: bool = False, prefix_dtype: str = "float32",
+                     prefill: bool = True) -> LanguageSession:
         """Open a session and prefill its prompt prefix.
 
         prompt_token_ids, when non-empty, are used as given (bos/eos included) instead of system_prompt.
         prefix_dtype: "float32" feeds the prompt rows as the reference's offline path does (cast to float32),
-        "bfloat16" as its streaming session does (raw table rows)."""
+        "bfloat16" as its streaming session does (raw table rows). prefill=False leaves the rows pending, to be
+        fed by `prefill_batch` (one row per call, batched with other sessions' rows) before the first step."""
         ids = [int(i) for i in prompt_token_ids] if prompt_token_ids else self.prompt_ids(system_prompt)
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(f"system prompt is {len(ids)} tokens (bos/eos included); "
@@ -236,8 +261,12 @@ class LanguageEngine:
         if not full_history:
             session.caches = self.model.make_caches()
         if ids:
-            rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32))
-            session.prefill(rows.astype(PREFIX_DTYPES[prefix_dtype]))
+            rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32)).astype(PREFIX_DTYPES[prefix_dtype])
+            if prefill or full_history:
+                session.prefill(rows)
+            else:
+                session.prompt_embeds = rows
+                mx.eval(rows)
         self._sessions[session.session_id] = session
         return session
 
@@ -253,12 +282,21 @@ class LanguageEngine:
     # ---- several sessions' steps at once --------------------------------------------------------------------
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
-        """Run `steps` batched steps at every batch size 1..max_batch on throwaway sessions opened the way a
-        streaming session is (bf16 prompt prefix), so the compiled pieces of each size are traced (and, on a GPU,
-        their kernels built) before a client's frame waits for them. Leaves no session open."""
-        sessions = [self.open_session(prompt_token_ids=[self.model.bos_id, self.model.eos_id], prefix_dtype="bfloat16")
+        """Feed `steps` batched prompt rows, then run `steps` batched steps, at every batch size 1..max_batch on
+        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), so
+        the compiled pieces of each size are traced (and, on a GPU, their kernels built) before a client's frame
+        waits for them. Leaves no session open."""
+        prompt = [self.model.bos_id, *[self.model.eos_id] * (min(steps * max_batch + 2, self.max_prompt_tokens) - 1)]
+        sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
         try:
+            raise_first(self.prefill_batch(sessions))  # each first row alone: it creates the caches
+            for size in range(1, max_batch + 1):
+                for _ in range(steps):
+                    if all(s.prompt_pending for s in sessions[:size]):  # a short --max-prompt-tokens runs out
+                        raise_first(self.prefill_batch(sessions[:size]))
+            while any(s.prompt_pending for s in sessions):
+                raise_first(self.prefill_batch([s for s in sessions if s.prompt_pending]))
             audio = mx.zeros((self.model.hidden_size,), mx.float32)
             for size in range(1, max_batch + 1):
                 for _ in range(steps):
@@ -292,12 +330,7 @@ class LanguageEngine:
                 results[i] = exc
                 continue
             groups.setdefault(self._signature(session), []).append(i)
-        batched = []
-        for members in groups.values():
-            if len(members) == 1:
-                solo += members
-            else:
-                batched.append(sorted(members, key=lambda i: steps[i][0].session_id))
+        batched = _split_groups(groups, solo, lambda i: steps[i][0].session_id)
         for i in sorted(solo):
             try:
                 results[i] = steps[i][0].step(*steps[i][1:])
@@ -311,6 +344,36 @@ class LanguageEngine:
                 for i, out in zip(members, finish(), strict=True):
                     results[i] = out
         return results  # type: ignore[return-value]
+
+    def prefill_batch(self, sessions: Sequence[LanguageSession]) -> list[Exception | None]:
+        """Feed the next pending prompt row of each session (opened with `prefill=False`). Sessions whose caches
+        hold a position already and agree in dtypes, their rows' included, run one batched forward without the
+        heads; the others feed theirs alone. Entry i is None, or a ValueError for a session with nothing to
+        feed. A row fed batched or alone leaves the same state (on this CPU bit for bit)."""
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one batch")
+        results: list[Exception | None] = [None] * len(sessions)
+        groups: dict[tuple, list[int]] = {}
+        solo: list[int] = []
+        for i, session in enumerate(sessions):
+            if session.closed or not session.prompt_pending:
+                results[i] = ValueError(f"session {session.session_id} has no prompt rows left to feed")
+            elif len(sessions) == 1 or not self._batchable(session):
+                solo.append(i)
+            else:
+                groups.setdefault((self._signature(session), session.prompt_embeds.dtype), []).append(i)
+        batched = _split_groups(groups, solo, lambda i: sessions[i].session_id)
+        for i in sorted(solo):
+            sessions[i].feed_prompt_row()
+        if batched:
+            to_eval = self._settle_pools([[sessions[i] for i in members] for members in batched])
+            rows = [[(s, s.prompt_embeds[s.prompt_positions], False, None) for s in (sessions[i] for i in members)]
+                    for members in batched]
+            finishes = [self._step_group(group, to_eval, heads=False) for group in rows]
+            mx.eval(to_eval)
+            for finish in finishes:
+                finish()
+        return results
 
     def _batchable(self, session: LanguageSession) -> bool:
         return (session.model is self.model and not session.closed and not session.full_history
@@ -336,9 +399,10 @@ class LanguageEngine:
             copies += pool.detach(grouped, layers)
         return copies
 
-    def _step_group(self, steps: list[Step], to_eval: list[mx.array]):
+    def _step_group(self, steps: list[Step], to_eval: list[mx.array], heads: bool = True):
         """Build one group's batched step (every entry checked already), appending what to evaluate to
-        `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs."""
+        `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs.
+        Without `heads` the rows are prompt rows: the finish counts them as fed and gives no outputs."""
         sessions = tuple(step[0] for step in steps)
         b, hidden = len(steps), self.model.hidden_size
         batched = self.model.batched_step
@@ -352,8 +416,7 @@ class LanguageEngine:
         prev_text = mx.array([[s.prev_text] for s in sessions], dtype=mx.int32)
         prev_function = mx.array([[s.prev_function] for s in sessions], dtype=mx.int32)
         audio = mx.stack([step[1] for step in steps]).reshape(b, 1, hidden)
-        (text_logits, function_logits, ids), states = batched(
-            prev_text, audio, prev_function, states, [s.caches for s in sessions])
+        out, states = batched(prev_text, audio, prev_function, states, [s.caches for s in sessions], heads)
         rows = [list(r) for r in zip(*(mx.split(state, b, axis=0) for state in states), strict=True)]
         for session, own in zip(sessions, rows, strict=True):
             for n, i in enumerate(batched.mamba_layers):
@@ -361,7 +424,15 @@ class LanguageEngine:
             session.positions += 1
         self._pools[key] = _StatePool(sessions, states, rows)
         kv = [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
-        to_eval += [*states, *kv, text_logits, function_logits, ids]
+        to_eval += [*states, *kv, *out]
+        if not heads:
+            def fed() -> list[None]:
+                for session in sessions:
+                    session.prompt_positions += 1
+                return [None] * b
+
+            return fed
+        text_logits, function_logits, ids = out
 
         def finish() -> list[StepOutput]:
             outputs = []

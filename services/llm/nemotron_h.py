@@ -534,17 +534,19 @@ class BatchedStep(CachedStep):
         return [i for i, block in enumerate(self.blocks) if block.kind == "M"]
 
     def __call__(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array, states: list[mx.array],
-                 caches: list[list[LayerCache]]) -> tuple[tuple[mx.array, mx.array, mx.array], list[mx.array]]:
+                 caches: list[list[LayerCache]], heads: bool = True
+                 ) -> tuple[tuple[mx.array, ...], list[mx.array]]:
         """prev_text, prev_function: (B, 1) int32; audio: (B, 1, D); states: [conv (B, K-1, C), ssm (B, H, P, N)]
         per Mamba layer in stack order, row b being session b's; caches: each session's layer caches, whose
         attention caches advance in place (their Mamba caches are not read or written here).
-        Returns ((text logits, function logits (B, 1, vocab), ids (B, 2) uint32), the updated states)."""
+        Returns ((text logits, function logits (B, 1, vocab), ids (B, 2) uint32), the updated states); the first
+        is () without `heads` (a prompt position, whose outputs are not used)."""
         carried: tuple[mx.array, ...] = (prev_text, audio, prev_function)
         pending, updated = iter(states), []
         for k, piece in enumerate(self.pieces):
             start, end = self.ranges[k]
             count = 2 * sum(1 for i in range(start, end) if self.blocks[i].kind == "M")
-            carried, out = piece(carried, [next(pending) for _ in range(count)], True)
+            carried, out = piece(carried, [next(pending) for _ in range(count)], heads)
             updated += out
             if end < len(self.blocks):
                 x, q, k_new, v_new = carried

@@ -69,9 +69,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         spec = first.open
         if spec.prefix_precision not in PREFIX_DTYPES:
             raise ValueError(f"LanguageOpen.prefix_precision {spec.prefix_precision} is not a known PrefixPrecision")
-        session, opened = await self.engine_thread.run(_open, engine, spec)
+        session = await self.engine_thread.run(_open, engine, spec)
         self.live_sessions += 1
         try:
+            # The prompt is fed a row per batch, with other sessions' steps and rows: an opening session does
+            # not hold the engine for its whole prompt, and sessions opening together feed theirs together.
+            while session.prompt_pending:
+                await self.batcher.submit((session, None))
+            opened = await self.engine_thread.run(_opened, engine, session)
             yield language_pb2.LanguageStreamResponse(opened=opened)
             async for request in request_iterator:
                 started = time.perf_counter()
@@ -91,20 +96,35 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             with contextlib.suppress(RuntimeError):
                 self.engine_thread.submit(engine.close_session, session)
 
-    def _run_steps(self, entries: list[tuple[LanguageSession, language_pb2.LanguageStep]]) -> list:
+    def _run_steps(self, entries: list[tuple[LanguageSession, language_pb2.LanguageStep | None]]) -> list:
         """The steps of concurrent sessions as one batch, on the engine thread (tensor conversion included: MLX
-        work stays on that thread)."""
-        return run_entries(entries, _step_arguments, self.engine.step_batch, _step_result)
+        work stays on that thread). An entry without a step feeds its session's next prompt row."""
+        feeding = [i for i, (_, step) in enumerate(entries) if step is None]
+        stepping = [i for i, (_, step) in enumerate(entries) if step is not None]
+        results: list = [None] * len(entries)
+        if feeding:
+            for i, result in zip(feeding, self.engine.prefill_batch([entries[i][0] for i in feeding]), strict=True):
+                results[i] = result
+        if stepping:
+            outs = run_entries([entries[i] for i in stepping], _step_arguments, self.engine.step_batch, _step_result)
+            for i, result in zip(stepping, outs, strict=True):
+                results[i] = result
+        return results
 
 
-def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> tuple[LanguageSession, object]:
-    """Open and prefill a session on the engine thread; the reply carries the prefix rows it fed."""
-    session = engine.open_session(spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
-                                  PREFIX_DTYPES[spec.prefix_precision])
+def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> LanguageSession:
+    """Open a session on the engine thread, its prompt rows left to feed (a full-history session feeds them
+    here: it never batches)."""
+    return engine.open_session(spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
+                               PREFIX_DTYPES[spec.prefix_precision], prefill=spec.full_history)
+
+
+def _opened(engine: LanguageEngine, session: LanguageSession) -> language_pb2.LanguageOpened:
+    """The open reply, once the prompt is fed: the prefix rows it fed."""
     opened = language_pb2.LanguageOpened(prompt_positions=session.prompt_positions, hidden_size=engine.hidden_size)
     if session.prompt_embeds is not None:
         opened.prompt_embeds.CopyFrom(to_proto(session.prompt_embeds.astype(mx.float32)))
-    return session, opened
+    return opened
 
 
 def _step_arguments(entry: tuple[LanguageSession, language_pb2.LanguageStep]) -> tuple:

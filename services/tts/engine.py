@@ -112,6 +112,14 @@ class TTSEngine:
         """Warm up a new session on the speaker prompt, then run `prefix_steps` pad steps."""
         return TTSSession(self, seed, prompt_codes, prefix_steps)
 
+    def check_prefix_steps(self, prefix_steps: int) -> None:
+        """ValueError / LimitExceeded unless 0 <= prefix_steps <= max_prefix_steps."""
+        if prefix_steps < 0:
+            raise ValueError(f"prefix_steps must be >= 0, got {prefix_steps}")
+        if prefix_steps > self.max_prefix_steps:
+            raise LimitExceeded(f"prefix_steps {prefix_steps} exceeds this service's limit of "
+                                f"{self.max_prefix_steps} (--max-prefix-steps)")
+
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Run `steps` batched pad steps at every batch size 1..max_batch on throwaway sessions (prompted with
         silence codes), so each size's compiled code generation is traced (and, on a GPU, its kernels built)
@@ -189,11 +197,7 @@ class TTSSession:
         if codes.size and (codes.min() < 0 or codes.max() > mask):
             raise ValueError(f"prompt_codes must lie in [0, {mask}] ({mask} = masked), got "
                              f"[{codes.min()}, {codes.max()}]")
-        if prefix_steps < 0:
-            raise ValueError(f"prefix_steps must be >= 0, got {prefix_steps}")
-        if prefix_steps > engine.max_prefix_steps:
-            raise LimitExceeded(f"prefix_steps {prefix_steps} exceeds this service's limit of "
-                                f"{engine.max_prefix_steps} (--max-prefix-steps)")
+        engine.check_prefix_steps(prefix_steps)
         self.engine = engine
         self.rng = SessionKey(seed)
         self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches()

@@ -71,11 +71,16 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         if not opening.HasField("prompt_codes"):
             raise ValueError(f"SpeechOpen.prompt_codes is required: the codec's ({self.engine.prompt_frames}, "
                              f"{self.engine.num_quantizers}) int32 warm-up codes")
-        session = await self.engine_thread.run(
-            self.engine.open_session, opening.seed, from_proto_np(opening.prompt_codes), opening.prefix_steps
-        )
+        engine = self.engine
+        engine.check_prefix_steps(opening.prefix_steps)
+        session = await self.engine_thread.run(engine.open_session, opening.seed,
+                                               from_proto_np(opening.prompt_codes), 0)
         self.live_sessions += 1
         try:
+            # The prefix's pad steps go through the batcher like any step: an opening session does not hold the
+            # engine for its whole prefix, and sessions opening together run theirs together.
+            for _ in range(opening.prefix_steps):
+                await self.batcher.submit((session, engine.config.pad_token_id))
             yield speech_pb2.SpeechStreamResponse(
                 opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
             expected: int | None = None

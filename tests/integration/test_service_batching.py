@@ -144,3 +144,76 @@ def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
             parse_args(parser, ["--model", str(tiny_checkpoint), flag, value])
         assert f"{flag} {float(value) if flag == '--batch-wait-ms' else value}: {message}" in capsys.readouterr().err
     assert isinstance(parse_args(parser, ["--model", str(tiny_checkpoint)]), argparse.Namespace)
+
+
+def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_checkpoint):
+    """Language prompts and speech prefixes are fed a row (a pad step) per batch, with whatever else is due:
+    three sessions opening at once share those batches, and each gets what it gets opening alone (its open
+    reply and its first steps' replies, byte for byte)."""
+    from protos.voicechat.v1 import language_pb2, language_pb2_grpc, speech_pb2, speech_pb2_grpc
+    from services.common.tensors import to_proto_np
+
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    prompts = [[1, 17, 42, 99, 23, 2], [1, 5, 6, 7, 2], [1, 8, 9, 10, 11, 12, 13, 2]]
+
+    def llm_open(ids):
+        return language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
+            prompt_token_ids=ids, prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16))
+
+    def batches(servicer):
+        return (servicer.metrics.value("voicechat_batch_size_count") or 0,
+                servicer.metrics.value("voicechat_batch_size_sum") or 0)
+
+    async def opened_replies(stub_type, method, opens, servicer, together, load):
+        """Every reply, and the mean batch size while the sessions opened."""
+        before = batches(servicer)
+        async with grpc.aio.insecure_channel(address) as channel:
+            calls = [getattr(stub_type(channel), method)() for _ in opens]
+            gate = threading.Event()
+            if together:
+                servicer.engine_thread.submit(gate.wait, 30)
+            for call, message in zip(calls, opens, strict=True):
+                await call.write(message)
+                if not together:
+                    replies.append((await call.read()).SerializeToString(deterministic=True))
+            gate.set()
+            if together:
+                for call in calls:
+                    replies.append((await call.read()).SerializeToString(deterministic=True))
+            after = batches(servicer)
+            for k, call in enumerate(calls):  # then each session's first steps: its state after the open
+                rng = np.random.default_rng(k)
+                for index in range(3):
+                    await call.write(load.frame(index, rng))
+                    replies.append((await call.read()).SerializeToString(deterministic=True))
+                await call.done_writing()
+        return (after[1] - before[1]) / (after[0] - before[0])
+
+    async def scenario(name, stub_type, method, make_opens):
+        nonlocal address, replies
+        out = {}
+        async with served(name, tiny_checkpoint) as (address, servicer):
+            opens = make_opens(servicer)
+            load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
+            for together in (False, True):
+                replies = []
+                mean = await opened_replies(stub_type, method, opens, servicer, together, load)
+                out[together] = (replies, mean)
+        return out
+
+    address, replies = "", []
+    llm = asyncio.run(scenario("llm", language_pb2_grpc.LanguageServiceStub, "Stream",
+                               lambda servicer: [llm_open(ids) for ids in prompts]))
+    assert llm[True][0] == llm[False][0]  # the same open replies (prompt rows, positions) and first steps
+    assert llm[False][1] == 1.0 and llm[True][1] > 1.5  # alone: one row per batch; together: shared batches
+
+    def speech_opens(servicer):
+        prompt = np.zeros((servicer.engine.prompt_frames, config.tts_config.num_quantizers), np.int32)
+        prompt[[0, -1]] = config.tts_config.codebook_size
+        return [speech_pb2.SpeechStreamRequest(open=speech_pb2.SpeechOpen(seed=seed, prompt_codes=to_proto_np(prompt),
+                                                                          prefix_steps=steps))
+                for seed, steps in ((1, 6), (2, 4), (3, 9))]
+
+    tts = asyncio.run(scenario("tts", speech_pb2_grpc.SpeechServiceStub, "Stream", speech_opens))
+    assert tts[True][0] == tts[False][0]
+    assert tts[False][1] == 1.0 and tts[True][1] > 1.5

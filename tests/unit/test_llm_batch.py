@@ -244,9 +244,9 @@ def test_a_steady_batch_reuses_its_stacked_states_and_a_leaver_gets_its_own(engi
     inputs = []
     original = BatchedStep.__call__
 
-    def spy(self, prev_text, audio, prev_function, states, caches):
+    def spy(self, prev_text, audio, prev_function, states, *rest):
         inputs.append(states)
-        return original(self, prev_text, audio, prev_function, states, caches)
+        return original(self, prev_text, audio, prev_function, states, *rest)
 
     monkeypatch.setattr(BatchedStep, "__call__", spy)
     sessions = [_open(engine, k) for k in (0, 2, 0)]
@@ -274,3 +274,47 @@ def test_a_steady_batch_reuses_its_stacked_states_and_a_leaver_gets_its_own(engi
     for s in sessions:
         engine.close_session(s)
     assert not engine._pools
+
+
+@pytest.mark.parametrize("kind", ["dense", "4bit-as-bf16"])
+def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, embeds, batch_sizes, kind):
+    engine = engines[kind]
+    opens = [
+        {"prompt_token_ids": [1, 17, 42, 99, 2], "prefix_dtype": "bfloat16"},
+        {"prompt_token_ids": [1, 5, 6, 2], "prefix_dtype": "bfloat16"},
+        {"prompt_token_ids": [1, 8, 9, 10, 11, 12, 2], "prefix_dtype": "bfloat16"},
+        {"prompt_token_ids": [1, 33, 2], "prefix_dtype": "float32"},
+    ]
+    expected = []
+    for k, spec in enumerate(opens):
+        session = engine.open_session(**spec)
+        expected.append([session.step(row, return_logits=True, frame_index=t)
+                         for t, row in enumerate(_inputs(embeds, k, 4))])
+        engine.close_session(session)
+    sessions = [engine.open_session(**spec, prefill=False) for spec in opens]
+    assert [s.prompt_pending for s in sessions] == [5, 4, 7, 3] and all(s.positions == 0 for s in sessions)
+    with pytest.raises(ValueError, match="prompt rows still to feed"):
+        sessions[0].step(_inputs(embeds, 0, 1)[0])
+    tick = 0
+    while any(s.prompt_pending for s in sessions):
+        due = [s for s in sessions if s.prompt_pending]
+        if tick == 2:  # one session feeds a row alone between batches
+            due[0].feed_prompt_row()
+            due = due[1:]
+        assert engine.prefill_batch(due) == [None] * len(due)
+        tick += 1
+    assert [s.prompt_positions for s in sessions] == [5, 4, 7, 3]
+    assert max(batch_sizes) == 3  # the three bf16 prompts' rows were fed together; the f32 one fed alone
+    got = [[] for _ in sessions]
+    for t in range(4):
+        outs = engine.step_batch([(s, _inputs(embeds, k, 4)[t], True, t) for k, s in enumerate(sessions)])
+        for k, out in enumerate(outs):
+            got[k].append(out)
+    for k in range(len(opens)):
+        for e, g in zip(expected[k], got[k], strict=True):
+            assert (g.text_id, g.function_id) == (e.text_id, e.function_id)
+            assert _max_diff(e, g) <= LOGIT_TOLERANCE
+    done = engine.prefill_batch(sessions[:2])
+    assert all(isinstance(r, ValueError) and "no prompt rows left" in str(r) for r in done)
+    for session in sessions:
+        engine.close_session(session)
