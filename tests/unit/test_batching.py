@@ -39,6 +39,18 @@ async def _wait_started(recorder: Recorder) -> None:
         await asyncio.sleep(0.001)
 
 
+async def _behind_a_held_batch(recorder: Recorder, batcher: StepBatcher, queue):
+    """Hold batch [0] on the engine thread, await queue() (it submits more steps) meanwhile, then release the
+    batch; returns what queue() returned."""
+    recorder.hold.clear()
+    blocker = asyncio.ensure_future(batcher.submit(0))
+    await _wait_started(recorder)
+    queued = await queue()
+    recorder.hold.set()
+    await blocker
+    return queued
+
+
 def test_steps_arriving_during_a_batch_form_the_next_one(engine_thread):
     recorder, sizes = Recorder(), []
     batcher = StepBatcher(engine_thread, recorder, max_batch=4, on_batch=sizes.append)
@@ -74,12 +86,10 @@ def test_an_entry_error_reaches_its_caller_only(engine_thread):
     batcher = StepBatcher(engine_thread, recorder)
 
     async def scenario():
-        recorder.hold.clear()
-        blocker = asyncio.ensure_future(batcher.submit(0))
-        await _wait_started(recorder)
-        futures = [asyncio.ensure_future(batcher.submit(n)) for n in (5, -1, 6)]
-        recorder.hold.set()
-        await blocker
+        async def queue():
+            return [asyncio.ensure_future(batcher.submit(n)) for n in (5, -1, 6)]
+
+        futures = await _behind_a_held_batch(recorder, batcher, queue)
         return await asyncio.gather(*futures, return_exceptions=True)
 
     good, bad, other = asyncio.run(scenario())
@@ -112,16 +122,14 @@ def test_a_caller_cancelled_while_queued_is_dropped(engine_thread):
     batcher = StepBatcher(engine_thread, recorder)
 
     async def scenario():
-        recorder.hold.clear()
-        blocker = asyncio.ensure_future(batcher.submit(0))
-        await _wait_started(recorder)
-        gone = asyncio.ensure_future(batcher.submit(7))
-        kept = asyncio.ensure_future(batcher.submit(8))
-        await asyncio.sleep(0)  # both are queued
-        gone.cancel()
-        recorder.hold.set()
-        await blocker
-        return await kept
+        async def queue():
+            gone = asyncio.ensure_future(batcher.submit(7))
+            kept = asyncio.ensure_future(batcher.submit(8))
+            await asyncio.sleep(0)  # both are queued
+            gone.cancel()
+            return kept
+
+        return await (await _behind_a_held_batch(recorder, batcher, queue))
 
     assert asyncio.run(scenario()) == 80
     assert recorder.batches == [[0], [8]]
