@@ -35,7 +35,7 @@ from services.perception.rnnt import (
     RNNTState,
     pieces_to_text,
 )
-from services.perception.streaming import EncoderStream
+from services.perception.streaming import EncoderStream, begin_stacked
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
 
@@ -266,8 +266,9 @@ class PerceptionEngine:
         attention caches are still filling joins with its caches padded at the front and the padding masked
         out. Sessions whose every greedy step emitted propose their next ones together, one host read per
         round. Sessions whose mel streams share one buffer layout (all of them, past their first pushes) run
-        the log-mel front end as one computation over their stacked sample buffers. A batch of one, a session's
-        first push, and a session alone with its window shape take the solo path."""
+        the log-mel front end as one computation over their stacked sample buffers, and build their encoder
+        windows as one array. A batch of one, a session's first push, and a session alone with its window shape
+        take the solo path."""
         streams = [stream for stream, _ in frames]
         if len({id(s) for s in streams}) != len(streams):
             raise ValueError("a stream appears more than once in one batch")
@@ -284,27 +285,35 @@ class PerceptionEngine:
             except ValueError as e:
                 results[i] = e
         mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
-        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array]]] = {}
+        # per step shape: (result index, stream, the mel to begin with or the window begun)
+        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array, tuple | None]]] = {}
         for (i, stream, _), mel in zip(checked, mels, strict=True):
             if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
                 results[i] = stream.emit(stream.encoder.push(mel))
+                continue
+            layout = stream.encoder.layout(mel.shape[1])
+            if layout is not None:  # begun below, with the others of its layout
+                cached, k, lo, hi, _ = layout
+                groups.setdefault(((1, cached + k, mel.shape[2]), lo, hi), []).append((i, stream, mel, layout))
                 continue
             span = stream.encoder.begin_frame(mel)
             if span is None:
                 results[i] = stream.emit([])  # raises, as push would
                 continue
             window, lo, hi = span
-            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window))
+            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window, None))
         for (_, lo, hi), members in groups.items():
             if len(members) == 1:
-                i, stream, window = members[0]
+                i, stream, window, layout = members[0]
                 enc = stream.encoder
+                if layout is not None:
+                    window, _, _ = enc.begin_frame(window)
                 h, enc.attn_caches, enc.conv_caches = enc.step_fn(window, lo, hi, enc.attn_caches, enc.conv_caches)
                 results[i] = stream.emit([h])
                 continue
-            batch = [stream for _, stream, _ in members]
-            out = self._step_batch(batch, mx.concatenate([w for _, _, w in members], axis=0), lo, hi)
-            for (i, _, _), result in zip(members, out, strict=True):
+            batch = [stream for _, stream, _, _ in members]
+            out = self._step_batch(batch, self._windows(members), lo, hi)
+            for (i, _, _, _), result in zip(members, out, strict=True):
                 results[i] = result
         self._batched_streams.update(s for s in streams if s.batchable)
         self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
@@ -331,9 +340,21 @@ class PerceptionEngine:
             retained = self._rows.gather([m.samples for m in mels], squeeze=True)
             chunks = mx.array(np.stack([samples[b] for b in members]))
             stacked = push_stacked(mels, chunks, retained, lambda kept: self._rows.split(kept, squeeze=True))
-            for j, b in enumerate(members):
-                out[b] = stacked[j : j + 1]
+            for b, row in zip(members, self._rows.split(stacked), strict=True):  # gathered again without a copy
+                out[b] = row
         return out  # type: ignore[return-value]
+
+    def _windows(self, members: list[tuple[int, PerceptionStream, mx.array, tuple | None]]) -> mx.array:
+        """The (B, W, n_mels) encoder window of a step's sessions: one concatenation of their stacked mel caches
+        and mels where they share one layout, else each session's begin_frame window, concatenated."""
+        layouts = {layout for _, _, _, layout in members}
+        if len(layouts) == 1 and None not in layouts:
+            encoders = [stream.encoder for _, stream, _, _ in members]
+            window, _, _ = begin_stacked(encoders, self._rows.gather([mel for _, _, mel, _ in members]),
+                                         self._rows.gather([e.mel_cache for e in encoders]), self._rows.split)
+            return window
+        windows = [w if layout is None else stream.encoder.begin_frame(w)[0] for _, stream, w, layout in members]
+        return mx.concatenate(windows, axis=0)
 
     def _step_batch(self, streams: list[PerceptionStream], window: mx.array, lo: int, hi: int) -> list[StreamFrame]:
         """window: (B, W, n_mels), row b the mel window of streams[b] (every counter already advanced)."""
@@ -439,11 +460,12 @@ class PerceptionStream:
         return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0)
 
     def held_rows(self) -> list[mx.array]:
-        """The cache arrays this session holds (the mel sample buffer, the encoder's per-layer caches and the
-        LSTM state)."""
+        """The cache arrays this session holds (the mel sample buffer, the encoder's mel and per-layer caches and
+        the LSTM state)."""
         lstm = self.rnnt.lstm
-        return [self.mel.samples, *self.encoder.attn_caches, *self.encoder.conv_caches,
-                *((*lstm[0], *lstm[1]) if lstm else ())]
+        enc = self.encoder
+        return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
+                *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
 
     def push(self, frame: mx.array | np.ndarray) -> StreamFrame:
         """frame: (1280,) float32 -> this frame's projected embedding, encoder output and transcript delta."""

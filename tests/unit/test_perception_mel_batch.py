@@ -1,5 +1,6 @@
-"""The log-mel front end of several streams as one computation (`push_stacked`, and `push_batch` through it)
-gives exactly what each stream's own pushes give, as streams join late, push solo in between and leave.
+"""The log-mel front end of several streams as one computation (`push_stacked`, and `push_batch` through it,
+which also builds the encoder windows as one array, `begin_stacked`) gives exactly what each stream's own pushes
+give, as streams join late, push solo in between and leave.
 
 On this CPU the stacked rfft and filterbank matmul round exactly as the per-stream ones (asserted bit for bit);
 elsewhere a batched matmul may round differently, so off the CPU the bound is MEL_TOL.
@@ -11,6 +12,7 @@ import pytest
 
 from services.common.config import PreprocessorConfig
 from services.perception import mel as mel_module
+from services.perception import streaming as streaming_module
 from services.perception.engine import PerceptionEngine
 from services.perception.mel import MelStream, push_stacked
 
@@ -123,14 +125,19 @@ def test_push_batch_runs_the_mel_front_end_once_and_equals_solo(engine, monkeypa
     for a in audio:
         stream = engine.open_stream()
         expected.append([stream.push(_chunk(a, f)) for f in range(frames)])
-    calls = []
-    original = mel_module.push_stacked
+    calls = {"push_stacked": [], "begin_stacked": []}
 
-    def spy(streams, *args, **kwargs):
-        calls.append(len(streams))
-        return original(streams, *args, **kwargs)
+    def spy(module, name):
+        original = getattr(module, name)
 
-    monkeypatch.setattr("services.perception.engine.push_stacked", spy)
+        def counted(streams, *args, **kwargs):
+            calls[name].append(len(streams))
+            return original(streams, *args, **kwargs)
+
+        monkeypatch.setattr(f"services.perception.engine.{name}", counted)
+
+    spy(mel_module, "push_stacked")
+    spy(streaming_module, "begin_stacked")
     streams = [engine.open_stream() for _ in audio]
     f = [0, 0, 0]
     got = [[] for _ in audio]
@@ -145,10 +152,13 @@ def test_push_batch_runs_the_mel_front_end_once_and_equals_solo(engine, monkeypa
         for k, out in zip(ks, engine.push_batch(entries) if entries else [], strict=True):
             got[k].append(out)
             f[k] += 1
-        if tick == 6:  # the stacked buffers stay rows of one array: the next stack gathers them without a copy
+        if tick == 7:  # the stacked buffers stay rows of one array: the next stack gathers them without a copy
             rows = [s.mel.samples for s in streams]
             assert engine._rows.gather(rows, squeeze=True) is engine._rows.gather(rows, squeeze=True)
-    assert calls and max(calls) == 3 and 2 in calls  # the front end ran stacked, not per session
+            rows = [s.encoder.mel_cache for s in streams]
+            assert engine._rows.gather(rows) is engine._rows.gather(rows)
+    for sizes in calls.values():  # the front end and the windows ran stacked, not per session
+        assert max(sizes) == 3 and 2 in sizes
     for k in range(3):
         for e, g in zip(expected[k][: len(got[k])], got[k], strict=True):
             assert g.frame_index == e.frame_index and g.token_ids == e.token_ids and g.transcript == e.transcript
