@@ -25,7 +25,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
 from services.perception.conformer import NEG_INF, Conformer, Conv
-from services.perception.mel import MelStream, log_mel
+from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
     RNNT,
     SYMBOLS_PER_READ,
@@ -35,7 +35,7 @@ from services.perception.rnnt import (
     RNNTState,
     pieces_to_text,
 )
-from services.perception.streaming import EncoderStream
+from services.perception.streaming import EncoderStream, begin_stacked
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
 
@@ -83,6 +83,11 @@ def _vocabulary(config: VoiceChatConfig, model_dir: Path) -> list[str]:
 
 def check_waveform(samples: np.ndarray | mx.array, sample_rate_hz: int, expected_rate: int) -> mx.array:
     """Validate a mono float waveform; ValueError names the problem."""
+    return mx.array(_checked_samples(samples, sample_rate_hz, expected_rate))
+
+
+def _checked_samples(samples: np.ndarray | mx.array, sample_rate_hz: int, expected_rate: int) -> np.ndarray:
+    """`check_waveform` on the host: the validated waveform as a float32 numpy array."""
     if sample_rate_hz != expected_rate:
         raise ValueError(f"sample rate must be {expected_rate} Hz, got {sample_rate_hz} Hz; resample first")
     arr = np.asarray(samples)
@@ -95,7 +100,7 @@ def check_waveform(samples: np.ndarray | mx.array, sample_rate_hz: int, expected
     if not np.all(np.isfinite(arr)):
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"waveform has non-finite samples (first at index {bad})")
-    return mx.array(arr.astype(np.float32, copy=False))
+    return arr.astype(np.float32, copy=False)
 
 
 def _front_pad(cache: mx.array, length: int) -> mx.array:
@@ -118,25 +123,31 @@ class RowSources:
 
         rows = sources.split(batched)          # (B, ...) -> B rows of (1, ...), remembered
         again = sources.gather(rows)           # the same array, no copy; a subset or reorder is one take
+
+    With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers).
     """
 
     def __init__(self):
         self._rows: dict[int, tuple[mx.array, mx.array, int]] = {}  # id(row) -> (row, batched, index)
 
-    def split(self, batched: mx.array) -> list[mx.array]:
-        rows = [batched[b : b + 1] for b in range(batched.shape[0])]
+    def split(self, batched: mx.array, squeeze: bool = False) -> list[mx.array]:
+        # views: an integer index (batched[b]) would be a gather, one copy per row
+        rows = [batched[b : b + 1].squeeze(0) if squeeze else batched[b : b + 1] for b in range(batched.shape[0])]
         for b, row in enumerate(rows):
             self._rows[id(row)] = (row, batched, b)
         return rows
 
-    def gather(self, rows: list[mx.array]) -> mx.array:
-        """rows: B arrays (1, ...) of one shape -> (B, ...)."""
+    def gather(self, rows: list[mx.array], squeeze: bool = False) -> mx.array:
+        """rows: B arrays (1, ...) (with squeeze, (...)) of one shape -> (B, ...)."""
         sources: list[mx.array] = []
         offsets: dict[int, int] = {}
         index = []
         for row in rows:
             known = self._rows.get(id(row))
-            source, b = (known[1], known[2]) if known is not None and known[0] is row else (row, 0)
+            if known is not None and known[0] is row:
+                source, b = known[1], known[2]
+            else:
+                source, b = (row[None] if squeeze else row), 0
             if id(source) not in offsets:
                 offsets[id(source)] = sum(a.shape[0] for a in sources)
                 sources.append(source)
@@ -254,48 +265,96 @@ class PerceptionEngine:
         projection and the RNNT's first greedy steps as one batched graph with one evaluation; a session whose
         attention caches are still filling joins with its caches padded at the front and the padding masked
         out. Sessions whose every greedy step emitted propose their next ones together, one host read per
-        round. The log-mel front end stays per session. A batch of one, a session's first push, and a session
-        alone with its window shape take the solo path."""
+        round. Sessions whose mel streams share one buffer layout (all of them, past their first pushes) run
+        the log-mel front end as one computation over their stacked sample buffers, and build their encoder
+        windows as one array. A batch of one, a session's first push, and a session alone with its window shape
+        take the solo path."""
         streams = [stream for stream, _ in frames]
         if len({id(s) for s in streams}) != len(streams):
             raise ValueError("a stream appears more than once in one batch")
         if any(s.engine is not self for s in streams):
             raise ValueError("every stream of a batch must come from this engine")
         results: list[StreamFrame | Exception | None] = [None] * len(frames)
-        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array]]] = {}
+        checked: list[tuple[int, PerceptionStream, np.ndarray]] = []
         for i, (stream, frame) in enumerate(frames):
             if len(frames) == 1 or not stream.batchable:
                 results[i] = _solo(stream, frame)
                 continue
             try:
-                samples = stream.check_frame(frame)
+                checked.append((i, stream, stream.check_samples(frame)))
             except ValueError as e:
                 results[i] = e
-                continue
-            mel = stream.mel.push(samples)[None]
+        mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
+        # per step shape: (result index, stream, the mel to begin with or the window begun)
+        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array, tuple | None]]] = {}
+        for (i, stream, _), mel in zip(checked, mels, strict=True):
             if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
                 results[i] = stream.emit(stream.encoder.push(mel))
+                continue
+            layout = stream.encoder.layout(mel.shape[1])
+            if layout is not None:  # begun below, with the others of its layout
+                cached, k, lo, hi, _ = layout
+                groups.setdefault(((1, cached + k, mel.shape[2]), lo, hi), []).append((i, stream, mel, layout))
                 continue
             span = stream.encoder.begin_frame(mel)
             if span is None:
                 results[i] = stream.emit([])  # raises, as push would
                 continue
             window, lo, hi = span
-            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window))
+            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window, None))
         for (_, lo, hi), members in groups.items():
             if len(members) == 1:
-                i, stream, window = members[0]
+                i, stream, window, layout = members[0]
                 enc = stream.encoder
+                if layout is not None:
+                    window, _, _ = enc.begin_frame(window)
                 h, enc.attn_caches, enc.conv_caches = enc.step_fn(window, lo, hi, enc.attn_caches, enc.conv_caches)
                 results[i] = stream.emit([h])
                 continue
-            batch = [stream for _, stream, _ in members]
-            out = self._step_batch(batch, mx.concatenate([w for _, _, w in members], axis=0), lo, hi)
-            for (i, _, _), result in zip(members, out, strict=True):
+            batch = [stream for _, stream, _, _ in members]
+            out = self._step_batch(batch, self._windows(members), lo, hi)
+            for (i, _, _, _), result in zip(members, out, strict=True):
                 results[i] = result
         self._batched_streams.update(s for s in streams if s.batchable)
         self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
         return results  # type: ignore[return-value]
+
+    def _push_mel(self, streams: list[PerceptionStream], samples: list[np.ndarray]) -> list[mx.array]:
+        """`stream.mel.push(samples)[None]` of every session: those whose mel buffers share one layout as one
+        `push_stacked` over their stacked buffers (kept as rows of one array, so the next frame's stack is no
+        copy), the others one by one. Returns each session's (1, k, n_mels)."""
+        out: list[mx.array | None] = [None] * len(streams)
+        layouts: dict[tuple, list[int]] = {}
+        for b, (stream, x) in enumerate(zip(streams, samples, strict=True)):
+            layout = stream.mel.layout(x.shape[0])
+            if layout is None:
+                out[b] = stream.mel.push(mx.array(x))[None]
+            else:
+                layouts.setdefault(layout, []).append(b)
+        for members in layouts.values():
+            if len(members) == 1:
+                (b,) = members
+                out[b] = streams[b].mel.push(mx.array(samples[b]))[None]
+                continue
+            mels = [streams[b].mel for b in members]
+            retained = self._rows.gather([m.samples for m in mels], squeeze=True)
+            chunks = mx.array(np.stack([samples[b] for b in members]))
+            stacked = push_stacked(mels, chunks, retained, lambda kept: self._rows.split(kept, squeeze=True))
+            for b, row in zip(members, self._rows.split(stacked), strict=True):  # gathered again without a copy
+                out[b] = row
+        return out  # type: ignore[return-value]
+
+    def _windows(self, members: list[tuple[int, PerceptionStream, mx.array, tuple | None]]) -> mx.array:
+        """The (B, W, n_mels) encoder window of a step's sessions: one concatenation of their stacked mel caches
+        and mels where they share one layout, else each session's begin_frame window, concatenated."""
+        layouts = {layout for _, _, _, layout in members}
+        if len(layouts) == 1 and None not in layouts:
+            encoders = [stream.encoder for _, stream, _, _ in members]
+            window, _, _ = begin_stacked(encoders, self._rows.gather([mel for _, _, mel, _ in members]),
+                                         self._rows.gather([e.mel_cache for e in encoders]), self._rows.split)
+            return window
+        windows = [w if layout is None else stream.encoder.begin_frame(w)[0] for _, stream, w, layout in members]
+        return mx.concatenate(windows, axis=0)
 
     def _step_batch(self, streams: list[PerceptionStream], window: mx.array, lo: int, hi: int) -> list[StreamFrame]:
         """window: (B, W, n_mels), row b the mel window of streams[b] (every counter already advanced)."""
@@ -401,9 +460,12 @@ class PerceptionStream:
         return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0)
 
     def held_rows(self) -> list[mx.array]:
-        """The cache arrays this session holds (the encoder's per-layer caches and the LSTM state)."""
+        """The cache arrays this session holds (the mel sample buffer, the encoder's mel and per-layer caches and
+        the LSTM state)."""
         lstm = self.rnnt.lstm
-        return [*self.encoder.attn_caches, *self.encoder.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
+        enc = self.encoder
+        return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
+                *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
 
     def push(self, frame: mx.array | np.ndarray) -> StreamFrame:
         """frame: (1280,) float32 -> this frame's projected embedding, encoder output and transcript delta."""
@@ -413,12 +475,16 @@ class PerceptionStream:
 
     def check_frame(self, frame: mx.array | np.ndarray) -> mx.array:
         """frame: (1280,) float samples -> (1280,) float32; ValueError names what is wrong."""
+        return mx.array(self.check_samples(frame))
+
+    def check_samples(self, frame: mx.array | np.ndarray) -> np.ndarray:
+        """`check_frame` on the host: the (1280,) float32 numpy samples."""
         n = self.engine.frame_samples
         arr = np.asarray(frame)
         if arr.shape != (n,):
             raise ValueError(f"each stream frame must hold exactly {n} samples (80 ms), got shape {arr.shape}; "
                              "zero-pad a partial last frame")
-        return check_waveform(arr, self.engine.sample_rate, self.engine.sample_rate)
+        return _checked_samples(arr, self.engine.sample_rate, self.engine.sample_rate)
 
     def emit(self, chunks: list[mx.array]) -> StreamFrame:
         """The rest of a push once the encoder ran: projection, RNNT, the frame's evaluation, the transcript."""

@@ -5,11 +5,14 @@
 
 `log_mel(x)` gives `1 + len(x) // hop` frames; `MelStream` emits the same frames incrementally, each once its
 window trails the input edge by `lookahead` samples, keeping only the sample tail the next frames need.
+`push_stacked` pushes several streams whose buffers share one layout (`MelStream.layout`) as one computation
+over their stacked (B, n) buffers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import mlx.core as mx
@@ -72,26 +75,47 @@ def mel_filterbank(cfg: PreprocessorConfig) -> mx.array:
 
 
 def preemphasize(x: mx.array, coeff: float, previous: mx.array | None = None) -> mx.array:
-    """y[n] = x[n] - coeff * x[n-1]; y[0] = x[0] unless `previous` (1,) supplies the sample before x."""
-    head = x[:1] if previous is None else x[:1] - coeff * previous
-    return mx.concatenate([head, x[1:] - coeff * x[:-1]], axis=0)
+    """y[n] = x[n] - coeff * x[n-1] along the last axis; y[0] = x[0] unless `previous` (..., 1) supplies the
+    sample before x."""
+    head = x[..., :1] if previous is None else x[..., :1] - coeff * previous
+    return mx.concatenate([head, x[..., 1:] - coeff * x[..., :-1]], axis=-1)
 
 
 def _frames_to_log_mel(segment: mx.array, num_frames: int, cfg: PreprocessorConfig) -> mx.array:
-    """segment: (≥ (num_frames-1)*hop + n_fft,) preemphasized, padded samples -> (num_frames, n_mels)."""
-    frames = mx.as_strided(segment, shape=(num_frames, cfg.n_fft), strides=(cfg.hop_length, 1))
+    """segment: (..., ≥ (num_frames-1)*hop + n_fft) preemphasized, padded samples, each row contiguous ->
+    (..., num_frames, n_mels)."""
+    lead = segment.shape[:-1]
+    row_strides = [int(np.prod(segment.shape[i + 1 :])) for i in range(len(lead))]  # row-major, as as_strided sees it
+    frames = mx.as_strided(segment, shape=(*lead, num_frames, cfg.n_fft),
+                           strides=(*row_strides, cfg.hop_length, 1))
     power = mx.square(mx.abs(mx.fft.rfft(frames * analysis_window(cfg)))).astype(mx.float32)
-    mel = mel_filterbank(cfg) @ power.T  # (n_mels, T)
+    mel = mel_filterbank(cfg) @ power.swapaxes(-1, -2)  # (..., n_mels, T)
     mel = mx.log(mel + mx.array(cfg.log_zero_guard_value, dtype=mx.float32))
-    return mel.T
+    return mel.swapaxes(-1, -2)
 
 
 def _reflect(x: mx.array, left: int, right: int) -> mx.array:
-    pieces = [x[1 : left + 1][::-1]] if left else []
+    """Reflect-pad the last axis by `left` and `right` samples (the edge sample not repeated)."""
+    pieces = [x[..., 1 : left + 1][..., ::-1]] if left else []
     pieces.append(x)
     if right:
-        pieces.append(x[-(right + 1) : -1][::-1])
-    return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else x
+        pieces.append(x[..., -(right + 1) : -1][..., ::-1])
+    return mx.concatenate(pieces, axis=-1) if len(pieces) > 1 else x
+
+
+def _buffer_frames(samples: mx.array, first: int, last: int, num_frames: int, cfg: PreprocessorConfig) -> mx.array:
+    """Frames of the raw sample buffer(s) samples (..., L) whose windows span buffer indices [first, last), which
+    may reach past either end (reflected there, as the centered STFT pads) -> (..., num_frames, n_mels)."""
+    length = samples.shape[-1]
+    lo, hi = max(first, 0), min(last, length)
+    raw = samples[..., lo:hi]
+    previous = samples[..., lo - 1 : lo] if lo > 0 else None
+    seg = preemphasize(raw, cfg.preemph, previous)
+    seg = _reflect(seg, max(-first, 0), max(last - length, 0))
+    need = (num_frames - 1) * cfg.hop_length + cfg.n_fft
+    if seg.shape[-1] < need:
+        seg = mx.pad(seg, [(0, 0)] * (seg.ndim - 1) + [(0, need - seg.shape[-1])])
+    return _frames_to_log_mel(seg, num_frames, cfg)
 
 
 def log_mel(waveform: mx.array, cfg: PreprocessorConfig) -> mx.array:
@@ -130,8 +154,7 @@ class MelStream:
         chunk = chunk.astype(mx.float32)
         self.samples = mx.concatenate([self.samples, chunk]) if self.samples.size else chunk
         self.total += chunk.shape[0]
-        edge = self.total - self.lookahead
-        end = edge // cfg.hop_length + 1 if edge >= 0 else 0
+        end = self._end(self.total)
         if end <= self.next_frame:
             return mx.zeros((0, cfg.features), dtype=mx.float32)
         out = self._frames(self.next_frame, end)
@@ -146,18 +169,57 @@ class MelStream:
         """The retained samples, to evaluate with the frame's outputs so old chunks are freed."""
         return [self.samples]
 
+    def layout(self, n: int) -> tuple | None:
+        """What `push` of n samples does in buffer-relative terms: (retained length, n, the next frame's centre
+        in the buffer, frames emitted, samples dropped from the front, config, lookahead). Streams with equal
+        layouts can push as one `push_stacked`; None where the push emits nothing or the buffer is empty."""
+        end = self._end(self.total + n)
+        if not self.samples.size or end <= self.next_frame:
+            return None
+        hop = self.cfg.hop_length
+        drop = max(max(end - self.keep_frames, 0) * hop - self.offset, 0)
+        return (self.samples.shape[0], n, self.next_frame * hop - self.offset, end - self.next_frame, drop,
+                id(self.cfg), self.lookahead)
+
+    def _end(self, total: int) -> int:
+        """One past the last frame complete once `total` samples have arrived."""
+        edge = total - self.lookahead
+        return edge // self.cfg.hop_length + 1 if edge >= 0 else 0
+
     def _frames(self, start: int, end: int) -> mx.array:
         """Frames [start, end) from the retained buffer (absolute indices)."""
-        cfg = self.cfg
-        half = cfg.n_fft // 2
-        first = start * cfg.hop_length - half - self.offset  # buffer-relative window start
-        last = (end - 1) * cfg.hop_length + half - self.offset  # exclusive window end
-        lo, hi = max(first, 0), min(last, self.samples.shape[0])
-        raw = self.samples[lo:hi]
-        previous = self.samples[lo - 1 : lo] if lo > 0 else None
-        seg = preemphasize(raw, cfg.preemph, previous)
-        seg = _reflect(seg, max(-first, 0), max(last - self.samples.shape[0], 0))
-        need = (end - start - 1) * cfg.hop_length + cfg.n_fft
-        if seg.shape[0] < need:
-            seg = mx.pad(seg, (0, need - seg.shape[0]))
-        return _frames_to_log_mel(seg, end - start, cfg)
+        half = self.cfg.n_fft // 2
+        first = start * self.cfg.hop_length - half - self.offset  # buffer-relative window start
+        last = (end - 1) * self.cfg.hop_length + half - self.offset  # exclusive window end
+        return _buffer_frames(self.samples, first, last, end - start, self.cfg)
+
+
+def push_stacked(
+    streams: list[MelStream],
+    chunks: mx.array,
+    retained: mx.array | None = None,
+    split: Callable[[mx.array], list[mx.array]] | None = None,
+) -> mx.array:
+    """`streams[b].push(chunks[b])` for B streams of one `layout`, as one computation over their stacked buffers.
+
+    chunks: (B, n) float32; retained: the streams' sample buffers stacked (B, L) (default: stacked here);
+    split: (B, L') -> B rows (L',), each stream's new buffer (default: row views). Returns (B, k, n_mels), row b
+    what stream b's own push returns; every stream's counters advance as its push would advance them."""
+    layout = streams[0].layout(chunks.shape[-1])
+    if layout is None or any(s.layout(chunks.shape[-1]) != layout for s in streams[1:]):
+        raise ValueError("push_stacked takes streams of one layout that each emit frames")
+    _, n, centre, count, drop, _, _ = layout
+    cfg = streams[0].cfg
+    if retained is None:
+        retained = mx.stack([s.samples for s in streams])
+    buffer = mx.concatenate([retained, chunks.astype(mx.float32)], axis=-1)
+    half = cfg.n_fft // 2
+    out = _buffer_frames(buffer, centre - half, centre + (count - 1) * cfg.hop_length + half, count, cfg)
+    kept = buffer[:, drop:] if drop else buffer
+    rows = split(kept) if split is not None else [kept[b : b + 1].squeeze(0) for b in range(kept.shape[0])]
+    for stream, row in zip(streams, rows, strict=True):
+        stream.samples = row
+        stream.total += n
+        stream.next_frame += count
+        stream.offset += drop
+    return out

@@ -9,6 +9,8 @@ frames drift slightly from the whole-utterance encoder; the reference streams th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from services.perception.conformer import Conformer, subsampled_length
@@ -75,16 +77,10 @@ class EncoderStream:
         return self._advance(mel, to_edge=True)
 
     def _advance(self, mel: mx.array, to_edge: bool) -> tuple[mx.array, int, int] | None:
-        cached = 0 if self.mel_cache is None else self.mel_cache.shape[1]
         window = mel if self.mel_cache is None else mx.concatenate([self.mel_cache, mel], axis=1)
-        subsampled = subsampled_length(window.shape[1], self.encoder.cfg.subsampling_steps)
-        end = self.consumed + mel.shape[1]
-        base = (self.consumed - cached) // self.factor  # encoder index of the window's first encoder frame
-        lo = self.emitted - base
-        hi = subsampled if to_edge else end // self.factor - base
-        self.consumed = end
-        # keep the window start on the subsampling grid
-        keep = SUBSAMPLING_MEL_CACHE + (end - SUBSAMPLING_MEL_CACHE) % self.factor
+        lo, hi, keep = self._plan(mel.shape[1], to_edge)
+        base = self.emitted - lo
+        self.consumed += mel.shape[1]
         self.mel_cache = window[:, -keep:]
         if hi <= lo:
             self.emitted = base + max(lo, hi)
@@ -92,6 +88,57 @@ class EncoderStream:
         self.emitted = base + hi
         return window, lo, hi
 
+    def _plan(self, k: int, to_edge: bool) -> tuple[int, int, int]:
+        """(lo, hi, keep) of pushing k mel frames: the window's encoder frames [lo, hi) to run, the mel frames
+        to keep as the next cache."""
+        cached = 0 if self.mel_cache is None else self.mel_cache.shape[1]
+        subsampled = subsampled_length(cached + k, self.encoder.cfg.subsampling_steps)
+        end = self.consumed + k
+        base = (self.consumed - cached) // self.factor  # encoder index of the window's first encoder frame
+        lo = self.emitted - base
+        hi = subsampled if to_edge else end // self.factor - base
+        # keep the window start on the subsampling grid
+        keep = SUBSAMPLING_MEL_CACHE + (end - SUBSAMPLING_MEL_CACHE) % self.factor
+        return lo, hi, keep
+
+    def layout(self, k: int) -> tuple[int, int, int, int, int] | None:
+        """What `begin_frame` of k mel frames does in window-relative terms: (cached mel frames, k, lo, hi,
+        keep). Streams with equal layouts can begin as one `begin_stacked`; None where begin_frame would not
+        take the chunk or encodes nothing."""
+        if self.mel_cache is None or (self.pending is not None and self.pending.shape[1]) or \
+                not 0 < k <= self.chunk_mel:
+            return None
+        lo, hi, keep = self._plan(k, to_edge=True)
+        return (self.mel_cache.shape[1], k, lo, hi, keep) if hi > lo else None
+
     def arrays(self) -> list[mx.array]:
         """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames."""
         return [a for a in (self.mel_cache, *self.attn_caches, *self.conv_caches) if a is not None]
+
+
+def begin_stacked(
+    streams: list[EncoderStream],
+    mel: mx.array,
+    cached: mx.array | None = None,
+    split: Callable[[mx.array], list[mx.array]] | None = None,
+) -> tuple[mx.array, int, int]:
+    """`streams[b].begin_frame(mel[b:b+1])` for B streams of one `layout`, the windows built as one array.
+
+    mel: (B, k, n_mels); cached: the streams' mel caches stacked (B, c, n_mels) (default: stacked here); split:
+    (B, keep, n_mels) -> B rows (1, keep, n_mels), each stream's new mel cache (default: row views). Returns
+    the (B, W, n_mels) window and the step's (lo, hi); every stream's counters advance as begin_frame's would."""
+    layout = streams[0].layout(mel.shape[1])
+    if layout is None or any(s.layout(mel.shape[1]) != layout for s in streams[1:]):
+        raise ValueError("begin_stacked takes streams of one layout that each encode a frame")
+    _, k, lo, hi, keep = layout
+    if cached is None:
+        cached = mx.concatenate([s.mel_cache for s in streams], axis=0)
+    window = mx.concatenate([cached, mel], axis=1)
+    kept = window[:, -keep:]
+    rows = split(kept) if split is not None else [kept[b : b + 1] for b in range(kept.shape[0])]
+    for stream, row in zip(streams, rows, strict=True):
+        stream.pending = row[:, :0]  # what begin_frame leaves: an empty remainder
+        stream.mel_cache = row
+        stream.consumed += k
+        stream.emitted += hi - lo
+    return window, lo, hi
