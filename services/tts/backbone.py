@@ -9,8 +9,9 @@ over keys is order-sensitive in the last bit:
     h = backbone(x, caches)          # x: (B, T, D) float32 -> (B, T, D)
 
 Several sessions' single-frame steps run as one batch: rows 2i and 2i + 1 are session i's (its caches hold
-those two rows), each session's keys are written to its own caches and attention runs over their keys
-stacked and zero-padded to the longest, the padding masked out:
+those two rows) and each session's keys are written to its own caches. Per layer, the sessions whose caches
+hold at most `stack_limit()` keys attend together over their keys stacked and zero-padded to the longest (the
+padding masked out: copies, one attention); every longer cache is read in place by an attention of its own:
 
     h = backbone.step_batch(x, [caches_0, caches_1])   # x: (2 * sessions, 1, D) -> (2 * sessions, 1, D)
 """
@@ -30,6 +31,22 @@ from services.common.layers import Linear
 from services.tts.blocks import GatedMLP, GemmaRMSNorm
 
 _GROW = 256  # cache growth step, as the reference's caches allocate
+
+# A batched step's attention, per layer: the sessions whose caches hold at most this many keys attend together
+# over their keys copied into one padded array; every longer cache is read in place by an attention of its own.
+# On a GPU, dispatch-bound (and for the full model's head_dim of 72 MLX has no fused single-query kernel: an
+# attention is ~4 kernels), a session read in place costs ~3 kernels more than stacked (its attention and the
+# copy of its output against the copies of its keys and values): 30-60 us at 10-20 us a kernel. Stacking copies
+# 18.4 KB a key (2 rows x 16 heads x 72 dims x 4 bytes, keys and values), written and read again: 9-15 ns a key
+# at 2.5-4 TB/s. They break even at ~2,000-6,500 keys; this limit sits at the low end, so a step's copies stay
+# bounded (16 sessions: at most 0.6 GB a layer) and long conversations read their caches in place.
+# On the CPU kernels are cheap and copies slow: every cache is read in place there.
+STACK_KEYS_GPU = 2048
+
+
+def stack_limit() -> int:
+    """The most keys a cache may hold to be stacked in a batched step on the default device."""
+    return STACK_KEYS_GPU if mx.default_device().type == mx.gpu else 0
 
 
 class FullCache:
@@ -165,8 +182,12 @@ class Attention:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
-    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array) -> mx.array:
-        """x: (R, 1, D), rows r // per of session caches[r // per]; offsets: (R,) each row's cache offset."""
+    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array,
+                   stack_up_to: int) -> mx.array:
+        """x: (R, 1, D), rows r // per of session caches[r // per]; offsets: (R,) each row's cache offset.
+
+        Caches of at most `stack_up_to` keys attend together over their keys stacked and padded; every other
+        one over its own keys in place (the solo step's attention), its output copied into place."""
         b, t, _ = x.shape
         per = b // len(caches)
         q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
@@ -179,14 +200,35 @@ class Attention:
         seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
                 for i, cache in enumerate(caches)]
         lengths = [sk.shape[2] for sk, _ in seen]
+        stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to]
+        if len(stacked) == len(caches):
+            out = self._attend_stacked(q, seen, caches, per)
+        else:
+            pieces = {}
+            if len(stacked) > 1:
+                rows = mx.array([i * per + r for i in stacked for r in range(per)])
+                together = self._attend_stacked(q[rows], [seen[i] for i in stacked], [caches[i] for i in stacked],
+                                                per)
+                pieces = {i: together[j * per : (j + 1) * per] for j, i in enumerate(stacked)}
+            # a single query sees every key of its own cache, as in the solo step: no mask
+            out = mx.concatenate([pieces[i] if i in pieces else
+                                  mx.fast.scaled_dot_product_attention(q[i * per : (i + 1) * per], sk, sv,
+                                                                       scale=self.scale)
+                                  for i, (sk, sv) in enumerate(seen)], axis=0)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+    def _attend_stacked(self, q: mx.array, seen: list[tuple[mx.array, mx.array]],
+                        caches: Sequence[FullCache | RingCache], per: int) -> mx.array:
+        """Attention of q's sessions over their visible keys `seen` stacked, zero-padded to the longest, the
+        padding masked -> (len(seen) * per, H, 1, Dh)."""
+        lengths = [sk.shape[2] for sk, _ in seen]
         width = max(lengths)
         pairs = list(zip(seen, caches, strict=True))
         keys = mx.concatenate([_padded(sk, cache.keys, width) for (sk, _), cache in pairs], axis=0)
         values = mx.concatenate([_padded(sv, cache.values, width) for (_, sv), cache in pairs], axis=0)
         # a single query sees every key of its own cache, as in the solo step; only the padding is masked
         mask = _length_mask(tuple(lengths), per) if min(lengths) < width else None
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
 
 @functools.lru_cache(maxsize=8)  # the layers of one kind share a step's mask: built once, not per layer
@@ -220,8 +262,10 @@ class Block:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
-    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn.step_batch(self.input_layernorm(x), caches, offsets))
+    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array,
+                   stack_up_to: int) -> mx.array:
+        attn = self.self_attn.step_batch(self.input_layernorm(x), caches, offsets, stack_up_to)
+        h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -274,10 +318,15 @@ class Gemma3Backbone:
             x = layer(x, masks[self.config.is_global_layer(i)], cache)
         return self.norm(x)
 
-    def step_batch(self, x: mx.array, caches: Sequence[list[FullCache | RingCache]]) -> mx.array:
-        """x: (2S, 1, D), rows 2i and 2i + 1 of session i (caches[i]) -> (2S, 1, D); advances every cache by 1."""
+    def step_batch(self, x: mx.array, caches: Sequence[list[FullCache | RingCache]],
+                   stack_up_to: int | None = None) -> mx.array:
+        """x: (2S, 1, D), rows 2i and 2i + 1 of session i (caches[i]) -> (2S, 1, D); advances every cache by 1.
+
+        Per layer, caches of at most `stack_up_to` keys (default `stack_limit()`) attend stacked, the others
+        each in place."""
         per = x.shape[0] // len(caches)
+        limit = stack_limit() if stack_up_to is None else stack_up_to
         offsets = mx.array(np.repeat([own[0].offset for own in caches], per).astype(np.int32))
         for i, layer in enumerate(self.layers):
-            x = layer.step_batch(x, [own[i] for own in caches], offsets)
+            x = layer.step_batch(x, [own[i] for own in caches], offsets, limit)
         return self.norm(x)

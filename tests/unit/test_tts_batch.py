@@ -161,9 +161,11 @@ def test_a_bad_entry_gets_its_error_and_leaves_the_others_and_itself_intact(engi
         _assert_same_state(mine, theirs)
 
 
-def test_backbone_step_batch_pads_and_masks_caches_of_different_lengths(engine):
+@pytest.mark.parametrize("stack_up_to", [10**9, 100, 0])
+def test_backbone_step_batch_pads_and_masks_caches_of_different_lengths(engine, stack_up_to):
     """Prompts of 10, 40 and 254 frames: sliding rings shorter than and at the window, a full cache crossing
-    its 256-key growth while the others do not, so every padding case runs; hidden states equal solo."""
+    its 256-key growth while the others do not. Every cache stacked (every padding case runs), caches over 100
+    keys read in place next to the stacked others, or every cache in place: hidden states equal solo."""
     backbone = engine.model.backbone
     dim = engine.config.tts_config.hidden_size
     rng = np.random.default_rng(0)
@@ -177,7 +179,7 @@ def test_backbone_step_batch_pads_and_masks_caches_of_different_lengths(engine):
     for _ in range(4):
         xs = [mx.array(rng.standard_normal((2, 1, dim)).astype(np.float32)) for _ in lengths]
         want = mx.concatenate([backbone(x, caches) for x, caches in zip(xs, solo, strict=True)], axis=0)
-        got = backbone.step_batch(mx.concatenate(xs, axis=0), batched)
+        got = backbone.step_batch(mx.concatenate(xs, axis=0), batched, stack_up_to)
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=FLOAT_ATOL)
     full = next(i for i in range(len(backbone.layers)) if engine.config.tts_config.is_global_layer(i))
     assert [c[full].offset for c in batched] == [14, 44, 258]
@@ -187,6 +189,48 @@ def test_backbone_step_batch_pads_and_masks_caches_of_different_lengths(engine):
         for a, b in zip(mine, theirs, strict=True):
             assert a.keys.shape == b.keys.shape and a.offset == b.offset
             np.testing.assert_allclose(np.array(a.keys), np.array(b.keys), rtol=0, atol=FLOAT_ATOL)
+
+
+@pytest.mark.parametrize("stack_up_to", [None, 64])
+def test_long_and_young_sessions_batched_equal_solo(engine, monkeypatch, stack_up_to):
+    """A session whose caches hold 300+ keys (its full caches grown past 256 keys, its rings at the window)
+    batched with a young one and a middle one: caches read in place (the CPU default), or the sliding rings
+    stacked and the full caches over 64 keys in place next to the young one's, stacked alone. Codes equal
+    solo's, and so does every session's state."""
+    import services.tts.backbone as backbone_module
+
+    if stack_up_to is not None:
+        monkeypatch.setattr(backbone_module, "stack_limit", lambda: stack_up_to)
+    backbone = engine.model.backbone
+    dim = engine.config.tts_config.hidden_size
+    grown = [270, 0, 20]  # positions appended after the 37-frame prompt
+
+    def open_all():
+        sessions = []
+        for seed, n in zip((31, 32, 33), grown, strict=True):
+            session = engine.open_session(seed, _prompt(engine, seed))
+            if n:  # stand-in for n earlier frames: the same random embeddings for both twins
+                backbone(mx.array(np.random.default_rng(seed).standard_normal((2, n, dim)).astype(np.float32)),
+                         session.caches)
+            sessions.append(session)
+        return sessions
+
+    solo, batched = open_all(), open_all()
+    full = next(i for i in range(len(backbone.layers)) if engine.config.tts_config.is_global_layer(i))
+    assert [s.caches[full].offset for s in batched] == [307, 37, 57]
+    ids = np.random.default_rng(4).integers(0, engine.config.text_config.vocab_size, (3, 6))
+    for frame in range(6):
+        due = [i for i in range(3) if not (i == 1 and frame == 2)]  # the young one sits one frame out
+        results = engine.step_batch([(batched[i], int(ids[i, frame])) for i in due])
+        for i, result in zip(due, results, strict=True):
+            for got, want in zip(result, solo[i].step(int(ids[i, frame])), strict=True):
+                np.testing.assert_array_equal(got, want)
+        if 1 not in due:
+            engine.step_batch([(batched[1], int(ids[1, frame]))])
+            solo[1].step(int(ids[1, frame]))
+    assert [s.caches[full].offset for s in batched] == [313, 43, 63]
+    for mine, theirs in zip(batched, solo, strict=True):
+        _assert_same_state(mine, theirs)
 
 
 def test_batched_keys_and_draws_are_each_sessions_own():
