@@ -27,7 +27,15 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
-from orchestrator.connect import ServiceError, add_deadline_flags, connect, deadlines_from_args, parse_services
+from orchestrator.connect import (
+    ServiceError,
+    add_deadline_flags,
+    connect,
+    deadlines_from_args,
+    parse_service_flags,
+    parse_services,
+    service_flags,
+)
 from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
@@ -46,13 +54,39 @@ class UsageError(ValueError):
     """A command line that cannot run; reported in one line."""
 
 
+def _checked(parse):
+    """An argparse type from a parser that raises ValueError: its message becomes the usage error."""
+    def typed(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="converted checkpoint folder (default $VOICECHAT_MODEL, else the demo)")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--services", type=parse_services, metavar="perception=HOST:PORT,llm=...,tts=...,codec=...",
+    where.add_argument("--services", type=_checked(parse_services),
+                       metavar="perception=HOST:PORT,llm=...,tts=...,codec=...",
                        help="use running services instead of starting them")
     where.add_argument("--in-process", action="store_true", help="run the engines in this process")
+    parser.add_argument("--service-flags", type=_checked(parse_service_flags), action="append", metavar="NAME=FLAGS",
+                        help="extra flags for a service this command starts (NAME: perception, llm, tts, codec or "
+                             "all; repeatable), e.g. --service-flags llm='--weights-dtype bfloat16' "
+                             "--service-flags all='--precompile-batches 16'")
     add_deadline_flags(parser)
+
+
+def connection(args: argparse.Namespace) -> dict:
+    """Where the services are, as `connect` / `connect_streams` take it."""
+    if args.service_flags and (args.services is not None or args.in_process):
+        raise UsageError("--service-flags is for services this command starts; it cannot go with --services "
+                         "or --in-process")
+    return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
+            "flags": service_flags(args.service_flags)}
 
 
 def _add_turn_flags(parser: argparse.ArgumentParser, extra_help: str) -> None:
@@ -175,8 +209,7 @@ def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.nd
 def offline(args: argparse.Namespace) -> int:
     model, config, waveform, decoder = prepare_turn(args)
     prompt = config.default_system_prompt if args.system_prompt is None else args.system_prompt
-    with connect(model, services=args.services, in_process=args.in_process,
-                 deadlines=deadlines_from_args(args)) as clients:
+    with connect(model, **connection(args)) as clients:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)
     text = decoder.decode(result.text_tokens)
     function_text = decoder.decode(result.function_tokens)
@@ -220,8 +253,7 @@ def stream(args: argparse.Namespace) -> int:
             sys.stdout.write(event.delta)
             sys.stdout.flush()
 
-    with connect_streams(model, services=args.services, in_process=args.in_process,
-                         deadlines=deadlines_from_args(args)) as clients:
+    with connect_streams(model, **connection(args)) as clients:
         session = OnlineSession(clients, config, decoder, system_prompt=args.system_prompt, seed=args.seed,
                                 max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                                 profile=args.profile, record=bool(args.dump), on_event=show,
@@ -312,8 +344,7 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(str(exc)) from None
     try:
-        with connect_streams(model, services=args.services, in_process=args.in_process,
-                             deadlines=deadlines_from_args(args)) as clients:
+        with connect_streams(model, **connection(args)) as clients:
             realtime = None
             if not args.no_realtime:
                 factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,28 @@ def parse_services(text: str) -> dict[str, str]:
     return addresses
 
 
+def parse_service_flags(text: str) -> tuple[str, list[str]]:
+    """`NAME=FLAGS` (NAME one of the services or `all`) -> (NAME, the flags split as a shell would)."""
+    name, sep, flags = text.partition("=")
+    name = name.strip()
+    if not sep or name not in (*SERVICES, "all"):
+        raise ValueError(f"--service-flags {text!r}: expected NAME=FLAGS with NAME one of {', '.join(SERVICES)} "
+                         "or all, e.g. llm='--weights-dtype bfloat16'")
+    try:
+        return name, shlex.split(flags)
+    except ValueError as exc:
+        raise ValueError(f"--service-flags {text!r}: {exc}") from None
+
+
+def service_flags(entries: list[tuple[str, list[str]]] | None) -> dict[str, list[str]]:
+    """Repeated --service-flags -> name -> flags, `all` first and each service's own after it."""
+    flags: dict[str, list[str]] = {name: [] for name in SERVICES}
+    for name, extra in sorted(entries or [], key=lambda entry: entry[0] != "all"):
+        for target in SERVICES if name == "all" else (name,):
+            flags[target] += extra
+    return flags
+
+
 def _is_target(address: str) -> bool:
     scheme, sep, rest = address.partition(":")
     if sep and scheme in _SCHEMES:
@@ -65,14 +88,15 @@ def deadlines_from_args(args: argparse.Namespace) -> Deadlines:
 
 
 @contextlib.contextmanager
-def serving(model: Path, services: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
-    """The four services' addresses: the ones given, or children started here (from the main thread) and
-    stopped on exit. A client failure while a child has died names that child."""
+def serving(model: Path, services: dict[str, str] | None = None,
+            flags: dict[str, list[str]] | None = None) -> Iterator[dict[str, str]]:
+    """The four services' addresses: the ones given, or children started here (from the main thread, with
+    their extra `flags`) and stopped on exit. A client failure while a child has died names that child."""
     if services:
         yield services
         return
     try:
-        with launched(model) as children:
+        with launched(model, flags=flags) as children:
             try:
                 yield {name: child.address for name, child in children.items()}
             except ServiceError as exc:
@@ -86,12 +110,12 @@ def serving(model: Path, services: dict[str, str] | None = None) -> Iterator[dic
 
 @contextlib.contextmanager
 def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
-            deadlines: Deadlines | None = None) -> Iterator[Clients]:
+            deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
-    with serving(model, services) as addresses:
+    with serving(model, services, flags) as addresses:
         clients = grpc_clients(addresses, deadlines)
         try:
             yield clients

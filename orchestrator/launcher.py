@@ -77,15 +77,21 @@ def _read_ready(child: ServiceProcess) -> None:
             child.metrics_url = url
 
 
-def wait_ready(children: list[ServiceProcess], timeout_s: float = 120.0) -> None:
+# A full checkpoint loads in tens of seconds; with --precompile-batches on a GPU a service takes minutes. A child
+# that exits is reported at once whatever this says.
+READY_TIMEOUT_S = 600.0
+
+
+def wait_ready(children: list[ServiceProcess], timeout_s: float = READY_TIMEOUT_S) -> None:
     """Block until every child has printed its address; a child that exits or stalls is an error."""
     deadline = time.monotonic() + timeout_s
     for child in children:
         while not child.address:
             if child.process.poll() is not None:
                 time.sleep(0.05)  # let the stderr reader catch the last lines
+                # its last line says why: a usage error, or the exception that ended a traceback
                 raise LaunchError(f"the {child.name} service exited with code {child.process.returncode}: "
-                                  f"{child.tail() or 'no output'}")
+                                  f"{child.tail(1) or 'no output'}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"the {child.name} service did not become ready within {timeout_s:.0f} s")
             time.sleep(0.02)
@@ -105,12 +111,14 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def launched(model: Path, names: tuple[str, ...] = SERVICES) -> Iterator[dict[str, ServiceProcess]]:
-    """Start the services (they load in parallel), yield name -> process, and always stop them."""
+def launched(model: Path, names: tuple[str, ...] = SERVICES,
+             flags: dict[str, list[str]] | None = None) -> Iterator[dict[str, ServiceProcess]]:
+    """Start the services (they load in parallel) with their extra `flags` (name -> flags), yield name ->
+    process, and always stop them."""
     children: dict[str, ServiceProcess] = {}
     try:
         for name in names:
-            children[name] = spawn_service(name, model)
+            children[name] = spawn_service(name, model, (flags or {}).get(name))
         wait_ready(list(children.values()))
         yield children
     finally:

@@ -151,3 +151,22 @@ def test_running_services_need_the_model_named(monkeypatch, tmp_path, capsys, co
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--services needs --model DIR" in err[0]
     assert not any(tmp_path.iterdir())  # no demo checkpoint was made
+
+
+def test_service_flags_reach_the_services_the_command_starts(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "x.wav"
+    assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), "--output-audio", str(out),
+                     "--service-flags", "codec=--max-batch 0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "codec service exited" in err[0] and "--max-batch 0: must be at least 1" in err[0]
+    assert not out.exists()
+    assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), "--output-audio", str(out),
+                     "--service-flags", "all=--precompile-batches 2", "--service-flags", "llm=--max-batch 4"]) == 0
+    assert out.exists()
+
+
+def test_service_flags_cannot_go_with_running_or_in_process_services(tiny_checkpoint, capsys):
+    for where in (["--in-process"], ["--services", "perception=h:1,llm=h:2,tts=h:3,codec=h:4"]):
+        assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), *where,
+                         "--service-flags", "llm=--max-batch 4"]) != 0
+        assert "--service-flags is for services this command starts" in capsys.readouterr().err

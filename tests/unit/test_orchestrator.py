@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 from orchestrator.audio import AudioError, read_audio, resample, to_pcm16, write_wav
-from orchestrator.connect import parse_services
+from orchestrator.connect import parse_service_flags, parse_services, service_flags
 from orchestrator.text import TokenAccumulator
 from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo, append_silence, run_offline
 
@@ -173,3 +173,20 @@ def test_parse_services():
         parse_services("perception=h:1,llm=h:2,tts=h:3")
     with pytest.raises(ValueError, match="expected NAME=HOST:PORT"):
         parse_services("vision=h:1")
+
+
+def test_service_flags_split_like_a_shell_and_all_comes_first():
+    entries = [parse_service_flags("llm=--weights-dtype bfloat16 --max-batch 8"),
+               parse_service_flags("all=--precompile-batches 16"),
+               parse_service_flags("tts= --max-prefix-steps '64'")]
+    assert entries[0] == ("llm", ["--weights-dtype", "bfloat16", "--max-batch", "8"])
+    assert service_flags(entries) == {
+        "perception": ["--precompile-batches", "16"],
+        "llm": ["--precompile-batches", "16", "--weights-dtype", "bfloat16", "--max-batch", "8"],
+        "tts": ["--precompile-batches", "16", "--max-prefix-steps", "64"],
+        "codec": ["--precompile-batches", "16"],
+    }
+    assert service_flags(None) == {"perception": [], "llm": [], "tts": [], "codec": []}
+    for bad, needle in (("orchestrator=--x", "NAME one of"), ("llm", "NAME=FLAGS"), ("llm='--x", "quotation")):
+        with pytest.raises(ValueError, match=needle):
+            parse_service_flags(bad)
