@@ -167,55 +167,62 @@ class Attention:
     scale: float
     rope_base: float
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x: (B, T, D) -> q, k, v (B, heads, T, head_dim), normed and rotated from position `offset` (an int,
+        or a (B,) int32 array of each row's offset)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.q_norm(q), self.k_norm(k)
         dims = q.shape[-1]
-        q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=cache.offset)
-        k = mx.fast.rope(k, dims, traditional=False, base=self.rope_base, scale=1.0, offset=cache.offset)
+        q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        return q, k, v
+
+    def output(self, attended: mx.array) -> mx.array:
+        """attended: (B, heads, T, head_dim) -> (B, T, D) through o_proj."""
+        b, _, t, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+    def attend(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+        """x: (B, T, D) -> (B, heads, T, head_dim): this layer's attention over `cache`, advanced by T."""
+        q, k, v = self.project(x, cache.offset)
         k, v = cache.update(k, v)
         if isinstance(mask, mx.array) and mask.shape[-1] != k.shape[2]:
             mask = mask[..., -k.shape[2] :]
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
-    def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array,
-                   stack_up_to: int) -> mx.array:
-        """x: (R, 1, D), rows r // per of session caches[r // per]; offsets: (R,) each row's cache offset.
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+        return self.output(self.attend(x, mask, cache))
+
+    def attend_sessions(self, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[FullCache | RingCache],
+                        stack_up_to: int) -> mx.array:
+        """One query position of several sessions: q, k, v (R, heads, 1, head_dim), rows r // per of session
+        caches[r // per] -> (R, heads, 1, head_dim). Each session's k, v are written to its own cache.
 
         Caches of at most `stack_up_to` keys attend together over their keys stacked and padded; every other
         one over its own keys in place (the solo step's attention), its output copied into place."""
-        b, t, _ = x.shape
-        per = b // len(caches)
-        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self.q_norm(q), self.k_norm(k)
-        dims = q.shape[-1]
-        q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offsets)
-        k = mx.fast.rope(k, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offsets)
+        per = q.shape[0] // len(caches)
         seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
                 for i, cache in enumerate(caches)]
         lengths = [sk.shape[2] for sk, _ in seen]
         stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to]
+        if len(caches) == 1:  # read in place, as in the solo step
+            sk, sv = seen[0]
+            return mx.fast.scaled_dot_product_attention(q, sk, sv, scale=self.scale)
         if len(stacked) == len(caches):
-            out = self._attend_stacked(q, seen, caches, per)
-        else:
-            pieces = {}
-            if len(stacked) > 1:
-                rows = mx.array([i * per + r for i in stacked for r in range(per)])
-                together = self._attend_stacked(q[rows], [seen[i] for i in stacked], [caches[i] for i in stacked],
-                                                per)
-                pieces = {i: together[j * per : (j + 1) * per] for j, i in enumerate(stacked)}
-            # a single query sees every key of its own cache, as in the solo step: no mask
-            out = mx.concatenate([pieces[i] if i in pieces else
-                                  mx.fast.scaled_dot_product_attention(q[i * per : (i + 1) * per], sk, sv,
-                                                                       scale=self.scale)
-                                  for i, (sk, sv) in enumerate(seen)], axis=0)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+            return self._attend_stacked(q, seen, caches, per)
+        pieces = {}
+        if len(stacked) > 1:
+            rows = mx.array([i * per + r for i in stacked for r in range(per)])
+            together = self._attend_stacked(q[rows], [seen[i] for i in stacked], [caches[i] for i in stacked], per)
+            pieces = {i: together[j * per : (j + 1) * per] for j, i in enumerate(stacked)}
+        # a single query sees every key of its own cache, as in the solo step: no mask
+        return mx.concatenate([pieces[i] if i in pieces else
+                               mx.fast.scaled_dot_product_attention(q[i * per : (i + 1) * per], sk, sv,
+                                                                    scale=self.scale)
+                               for i, (sk, sv) in enumerate(seen)], axis=0)
 
     def _attend_stacked(self, q: mx.array, seen: list[tuple[mx.array, mx.array]],
                         caches: Sequence[FullCache | RingCache], per: int) -> mx.array:
@@ -258,15 +265,21 @@ class Block:
     pre_feedforward_layernorm: GemmaRMSNorm
     post_feedforward_layernorm: GemmaRMSNorm
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+    def head(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The block up to its attention: the residual stream x -> this layer's q, k, v."""
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def tail(self, x: mx.array, attended: mx.array) -> mx.array:
+        """The block after its attention: the residual stream x and the attention's output -> the block's output."""
+        h = x + self.post_attention_layernorm(self.self_attn.output(attended))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
+        return self.tail(x, self.self_attn.attend(self.input_layernorm(x), mask, cache))
 
     def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array,
                    stack_up_to: int) -> mx.array:
-        attn = self.self_attn.step_batch(self.input_layernorm(x), caches, offsets, stack_up_to)
-        h = x + self.post_attention_layernorm(attn)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return self.tail(x, self.self_attn.attend_sessions(*self.head(x, offsets), caches, stack_up_to))
 
 
 @dataclass

@@ -14,8 +14,10 @@ set to the mask index, last frame dropped; the orchestrator gets them from the c
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,12 +31,14 @@ from services.common.errors import LimitExceeded
 from services.common.layers import widen
 from services.tts.backbone import FullCache, RingCache
 from services.tts.model import EarTts
-from services.tts.rng import SessionKey
+from services.tts.rng import SessionKey, take_batch
+from services.tts.step import CompiledStep
 from services.tts.subword import CharTable
 
 # The most pad steps a session may run at open for a system-prompt prefix (one per prompt position after the
 # first): the language service's default prompt limit of 1024 tokens needs 1023. Each is a full model step.
 DEFAULT_MAX_PREFIX_STEPS = 1024
+TEXT_ROWS_KEPT = 4096  # text-id embeddings kept by an engine (each (1, 1, hidden): about 9 MB at the real size)
 TTS_PREFIXES = ("tts_model.tts_model.", "tts_model.audio_prompt_latents.", "tts_model.codec_silence_tokens",
                 "tts_model._control_codes")
 
@@ -56,6 +60,7 @@ class TTSEngine:
     silence_codes: mx.array  # (Q,) int32
     control_codes: mx.array  # (3,) int32
     max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS
+    _text_rows: OrderedDict[int, mx.array] = field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, float32_weights: bool = False,
@@ -166,19 +171,46 @@ class TTSEngine:
                 results[i] = codes
         return results
 
+    @functools.cached_property
+    def _compiled_step(self) -> CompiledStep:
+        def raw_and_clean(codes: mx.array) -> mx.array:  # (S, 2, Q): one array, one host read
+            return mx.stack([codes[:, 0], self.clean(codes)[:, 0]], axis=1)
+
+        return CompiledStep(self.model, finish=raw_and_clean)
+
+    def text_rows(self, text_ids: Sequence[int]) -> mx.array:
+        """The character-aware embedding of each id, (S, 1, D), as `embed_known` of that id alone computes it.
+
+        A row depends on its id alone, so rows are kept (the last `TEXT_ROWS_KEPT` ids used): most frames
+        repeat an id (padding while the assistant listens), and their step then runs no character encoder."""
+        rows = self._text_rows
+        missing = list(dict.fromkeys(i for i in text_ids if i not in rows))
+        if missing:
+            embedded = self.model.embed_subword.embed_rows(missing, self.table)
+            for n, text_id in enumerate(missing):
+                rows[text_id] = embedded[n : n + 1]
+        picked = []
+        for text_id in text_ids:
+            rows.move_to_end(text_id)
+            picked.append(rows[text_id])
+        while len(rows) > TEXT_ROWS_KEPT:
+            rows.popitem(last=False)
+        return picked[0] if len(picked) == 1 else mx.concatenate(picked, axis=0)
+
     def _step_together(self, steps: Sequence[tuple[TTSSession, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The validated steps of distinct sessions as one compiled forward (`CompiledStep`)."""
         sessions = [session for session, _ in steps]
         ids = [int(text_id) for _, text_id in steps]
         eos = self.config.eos_token_id
-        previous = mx.concatenate([self.silence_codes[None, None, :] if text_id == eos else session.previous
-                                   for session, text_id in zip(sessions, ids, strict=True)], axis=0)
-        codes = self.model.step_batch(previous, ids, self.table, [s.caches for s in sessions],
-                                      [s.rng for s in sessions])
-        both = mx.stack([codes[:, 0], self.clean(codes)[:, 0]], axis=1)  # (S, 2, Q): raw and clean, one read
+        previous = [self.silence_codes[None, None, :] if text_id == eos else session.previous
+                    for session, text_id in zip(sessions, ids, strict=True)]
+        previous = previous[0] if len(previous) == 1 else mx.concatenate(previous, axis=0)
+        keys = take_batch([s.rng for s in sessions], self.model.draws)
+        codes, both = self._compiled_step(previous, self.text_rows(ids), [s.caches for s in sessions], keys)
         mx.eval(codes, both)
         rows = np.array(both, dtype=np.int32)
         for i, session in enumerate(sessions):
-            session.previous = codes[i : i + 1]
+            session.previous = codes if len(sessions) == 1 else codes[i : i + 1]
             session.steps += 1
         return [(row[0], row[1]) for row in rows]
 
@@ -215,14 +247,6 @@ class TTSSession:
 
     def step(self, text_id: int) -> tuple[np.ndarray, np.ndarray]:
         """One timeline position: text id in -> (raw codes, clean codes), each (Q,) int32."""
-        engine = self.engine
-        engine.check_text_id(text_id)
-        if text_id == engine.config.eos_token_id:
-            self.previous = engine.silence_codes[None, None, :]
-        codes = engine.model.step(self.previous, text_id, engine.table, self.caches, self.rng)
-        both = mx.stack([codes[0, 0], engine.clean(codes)[0, 0]])  # raw and clean: one array, one read
-        mx.eval(codes, both)
-        self.previous = codes
-        self.steps += 1
-        raw, clean = np.array(both, dtype=np.int32)
-        return raw, clean
+        self.engine.check_text_id(text_id)
+        [codes] = self.engine._step_together([(self, text_id)])
+        return codes

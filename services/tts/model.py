@@ -153,10 +153,11 @@ class EarTts:
         audio = mx.repeat(self.embed_codes(previous_codes), 2, axis=0)
         hidden = self.backbone.step_batch(self.fusion(audio, text), caches)
         hidden = mx.concatenate([hidden[0::2], hidden[1::2]], axis=0)  # every cond row, then every uncond row
-        return self._compiled_generate_batch(hidden, take_batch(rngs, self._draws))
+        return self._compiled_generate_batch(hidden, take_batch(rngs, self.draws))
 
     @property
-    def _draws(self) -> int:
+    def draws(self) -> int:
+        """Random draws per frame: the keys a frame's refinement takes from a session's key."""
         return 2 * sum(1 for count in self._schedule() if count)  # a uniform and a normal per MoG call
 
     @functools.cached_property
@@ -168,7 +169,7 @@ class EarTts:
 
         Runs as one compiled graph (five MoG calls and 31 codebook picks are hundreds of small ops); the keys
         its draws use are taken from `rng` first, in draw order, so the numbers are those of the plain path."""
-        return self._compiled_generate(hidden, rng.take(self._draws))
+        return self._compiled_generate(hidden, rng.take(self.draws))
 
     def _schedule(self) -> list[int]:
         cfg = self.config

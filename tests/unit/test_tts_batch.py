@@ -116,11 +116,7 @@ def test_batched_quantized_sessions_equal_their_solo_runs_codes_and_state(mixed_
         _assert_same_state(mine, theirs)
 
 
-def test_a_batch_of_one_takes_the_solo_path(engine, monkeypatch):
-    def no_batch(*_):
-        raise AssertionError("a batch of one must take the solo path")
-
-    monkeypatch.setattr(TTSEngine, "_step_together", no_batch)
+def test_a_batch_of_one_equals_the_sessions_own_step(engine):
     a, b = (engine.open_session(5, _prompt(engine, 5), 1) for _ in range(2))
     for text_id in (40, 41, engine.config.eos_token_id, 42):
         [(raw, clean)] = engine.step_batch([(a, text_id)])

@@ -1,0 +1,107 @@
+"""The compiled frame step (services/tts/step.py) against the plain path it compiles, bit for bit.
+
+The engine runs every frame, solo or batched, through `CompiledStep`; `EarTts.step` is the plain, uncompiled
+path of one session. Twin sessions opened alike, one through each, must give equal codes and equal caches.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import services.tts.engine as engine_module
+import services.tts.step as step_module
+from services.tts.engine import TTSEngine
+from services.tts.prompt import warmup_codes
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint) -> TTSEngine:
+    return TTSEngine.load(tiny_checkpoint)
+
+
+def _open(engine: TTSEngine, seed: int, prefix: int = 0):
+    k = engine.config.tts_config.codebook_size
+    encoded = np.random.default_rng(seed).integers(0, k, (engine.prompt_frames + 1, engine.num_quantizers))
+    return engine.open_session(seed, warmup_codes(encoded, k), prefix)
+
+
+def _plain_step(engine: TTSEngine, session, text_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """`TTSSession.step` through the uncompiled model path."""
+    if text_id == engine.config.eos_token_id:
+        session.previous = engine.silence_codes[None, None, :]
+    codes = engine.model.step(session.previous, text_id, engine.table, session.caches, session.rng)
+    clean = engine.clean(codes)
+    mx.eval(codes, clean)
+    session.previous = codes
+    session.steps += 1
+    return np.array(codes[0, 0]), np.array(clean[0, 0])
+
+
+def _assert_caches_equal(mine, theirs) -> None:
+    for a, b in zip(mine.caches, theirs.caches, strict=True):
+        assert (a.offset, getattr(a, "slot", None)) == (b.offset, getattr(b, "slot", None))
+        np.testing.assert_array_equal(np.array(a.keys), np.array(b.keys))
+        np.testing.assert_array_equal(np.array(a.values), np.array(b.values))
+
+
+def _ids(engine: TTSEngine, count: int, seed: int) -> list[int]:
+    ids = [int(t) for t in np.random.default_rng(seed).integers(0, engine.config.text_config.vocab_size, count)]
+    ids[5] = ids[9] = engine.config.eos_token_id
+    for n in range(12, min(count, 20)):  # repeated ids reuse their kept text rows
+        ids[n] = engine.config.pad_token_id
+    return ids
+
+
+def test_compiled_frames_equal_the_plain_step_past_the_ring_window(engine):
+    window = engine.config.tts_config.sliding_window
+    compiled, plain = _open(engine, 3), _open(engine, 3)
+    steps = window + 20 - compiled.caches[0].offset  # the sliding rings wrap
+    for text_id in _ids(engine, steps, 0):
+        got, want = compiled.step(text_id), _plain_step(engine, plain, text_id)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert compiled.caches[0].offset > window and compiled.caches[0].slot < window
+    np.testing.assert_array_equal(np.array(compiled.previous), np.array(plain.previous))
+    np.testing.assert_array_equal(np.array(compiled.rng.next_key()), np.array(plain.rng.next_key()))
+    _assert_caches_equal(compiled, plain)
+
+
+@pytest.mark.parametrize("stack_up_to", [0, 60, 10**9])
+def test_compiled_batches_equal_plain_solo_steps(engine, monkeypatch, stack_up_to):
+    """Three sessions of different lengths batched (caches read in place, some stacked, all stacked), one
+    sitting frames out: each equals its plain solo twin."""
+    monkeypatch.setattr(step_module, "stack_limit", lambda: stack_up_to)
+    prefixes = [0, 8, 20]
+    batched = [_open(engine, 40 + i, p) for i, p in enumerate(prefixes)]
+    plain = [_open(engine, 40 + i, p) for i, p in enumerate(prefixes)]
+    ids = [_ids(engine, 24, i) for i in range(3)]
+    done = [0, 0, 0]
+    for frame in range(26):
+        due = [i for i in range(3) if done[i] < 24 and not (i == 1 and frame in (3, 4))]
+        results = engine.step_batch([(batched[i], ids[i][done[i]]) for i in due])
+        for i, result in zip(due, results, strict=True):
+            want = _plain_step(engine, plain[i], ids[i][done[i]])
+            np.testing.assert_array_equal(result[0], want[0])
+            np.testing.assert_array_equal(result[1], want[1])
+            done[i] += 1
+    for mine, theirs in zip(batched, plain, strict=True):
+        _assert_caches_equal(mine, theirs)
+
+
+def test_text_rows_are_each_ids_own_embedding_and_stay_bounded(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "TEXT_ROWS_KEPT", 3)
+    monkeypatch.setattr(engine, "_text_rows", type(engine._text_rows)())
+    encoder = engine.model.embed_subword
+
+    def own(text_id: int) -> np.ndarray:
+        return np.array(encoder.embed_known(mx.array([[text_id]]), [text_id], [True], engine.table).astype(mx.float32))
+
+    ids = [7, 300, 7, engine.config.eos_token_id]
+    got = engine.text_rows(ids)
+    assert got.shape == (4, 1, engine.config.tts_config.hidden_size)
+    for n, text_id in enumerate(ids):
+        np.testing.assert_array_equal(np.array(got[n : n + 1].astype(mx.float32)), own(text_id))
+    assert list(engine._text_rows) == [300, 7, engine.config.eos_token_id]  # least recently used first
+    engine.text_rows([5, 5])
+    assert list(engine._text_rows) == [7, engine.config.eos_token_id, 5]
+    np.testing.assert_array_equal(np.array(engine.text_rows([5]).astype(mx.float32)), own(5))
