@@ -90,7 +90,7 @@ class TTSEngine:
                 control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
                 max_prefix_steps=max_prefix_steps,
             )
-            mx.eval(weights.arrays, model.code_table, model.code_norms, wide)
+            mx.eval(weights.arrays, model.code_rows, model.code_starts, model.books, model.book_norms, wide)
             return engine
         finally:
             checkpoint.close()

@@ -61,7 +61,8 @@ def _depth_sum_model(q=3, k=4, latent=5):
     rvq = mx.array(np.random.default_rng(1).standard_normal((q, k, latent)).astype(np.float32))
     table = mx.concatenate([rvq, mx.zeros((q, 1, latent))], axis=1)
     config = TTSConfig(num_quantizers=q, codebook_size=k, latent_size=latent)
-    return SimpleNamespace(config=config, code_table=table), np.array(rvq)
+    starts = mx.arange(0, q * (k + 1), k + 1, dtype=mx.int32)
+    return SimpleNamespace(config=config, code_rows=table.reshape(-1, latent), code_starts=starts), np.array(rvq)
 
 
 def test_depth_sum_adds_one_row_per_codebook_and_ignores_the_mask_index():
@@ -71,6 +72,17 @@ def test_depth_sum_adds_one_row_per_codebook_and_ignores_the_mask_index():
     np.testing.assert_allclose(out[0, 0], rvq[0, 1] + rvq[2, 2], rtol=1e-6)
     np.testing.assert_array_equal(out[0, 1], np.zeros(5, np.float32))
     np.testing.assert_allclose(out[0, 2], rvq[0, 0] + rvq[1, 3], rtol=1e-6)
+
+
+def test_depth_sum_adds_the_codebooks_in_order():
+    """The sum is the left fold over codebooks 0, 1, ..., Q-1 in float32 (the order decides the last bit)."""
+    model, rvq = _depth_sum_model(q=31, k=16, latent=8)
+    codes = np.random.default_rng(2).integers(0, 17, (2, 3, 31)).astype(np.int32)  # 16 = mask
+    padded = np.concatenate([rvq, np.zeros((31, 1, 8), np.float32)], axis=1)
+    want = np.zeros((2, 3, 8), np.float32)
+    for q in range(31):
+        want = want + padded[q, codes[..., q]]
+    np.testing.assert_array_equal(np.array(EarTts.depth_sum(model, mx.array(codes))), want)
 
 
 @pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
