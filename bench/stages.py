@@ -1,6 +1,6 @@
 """Per-stage cost of one 80 ms frame, each network's engine called in this process.
 
-    python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs] [--json]
+    python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs] [--count-kernels] [--json]
 
 Drives each engine's streaming path the way an online session does (perception push of 1280 samples, one
 language step, one speech step, one codec frame decode) on the bundled question plus silence, one stage at a
@@ -9,6 +9,8 @@ sequential frame loop. Each timing ends after the stage's outputs are evaluated.
 
 `--count-syncs` also counts each stage's host synchronisations per frame (see `SyncCounter`); the counting
 wrappers cost a little Python time, so compare timings only between runs that both count or both don't.
+`--count-kernels` counts the operations each stage's `mx.eval` calls run per frame (see `KernelCounter`); it
+writes every graph out, so its timings are not worth reading.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import argparse
 import collections
 import contextlib
 import json
+import re
 import statistics
+import tempfile
 import time
 import wave
 from pathlib import Path
@@ -82,6 +86,59 @@ class SyncCounter:
         return {"eval": evals, "read": reads, "total": evals + reads}
 
 
+class KernelCounter:
+    """Counts the operations the `mx.eval` calls run while it is installed (`with KernelCounter() as counter:`).
+
+    Before each evaluation the graph of the arrays evaluated is exported (`mx.export_to_dot`) and its primitives
+    counted by name; views (reshapes, slices, transposes, broadcasts, ...) are left out, since they launch no
+    kernel of their own. Arrays already evaluated are not in the graph, so each primitive is counted once. A
+    compiled function's fused elementwise chain is one primitive (`Compiled...`). Host reads that evaluate an
+    array themselves (`item`, `tolist`, ...) are not seen: the engines read only what an `mx.eval` covered.
+    """
+
+    VIEWS = frozenset({"Squeeze", "Reshape", "Broadcast", "Slice", "Transpose", "ExpandDims", "Flatten", "Unflatten",
+                       "AsStrided", "StopGradient", "Depends"})
+    _LABEL = re.compile(r'label ="([A-Za-z_0-9]+)"')
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._original = None
+
+    def __enter__(self) -> KernelCounter:
+        self._original = original = mx.eval
+
+        def counted(*args):
+            arrays = [a for a in _flatten(args) if isinstance(a, mx.array)]
+            if arrays:
+                with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+                    mx.export_to_dot(dot.name, *arrays)
+                    self.counts.update(name for name in self._LABEL.findall(dot.read()) if name not in self.VIEWS)
+            return original(*args)
+
+        mx.eval = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mx.eval = self._original
+
+    def take(self) -> dict[str, int]:
+        """{"kernels": n, "top": the five most frequent primitives} since the last take, then reset."""
+        report = {"kernels": sum(self.counts.values()), "top": dict(self.counts.most_common(5))}
+        self.counts.clear()
+        return report
+
+
+def _flatten(tree):
+    if isinstance(tree, list | tuple):
+        for item in tree:
+            yield from _flatten(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _flatten(item)
+    else:
+        yield tree
+
+
 def summarize(values: list[float]) -> dict[str, float]:
     return {"p50_ms": percentile(values, 0.5), "p95_ms": percentile(values, 0.95), "mean_ms": statistics.fmean(values)}
 
@@ -99,7 +156,7 @@ def frames_of(frames: int) -> np.ndarray:
     return total.reshape(frames, 1280)
 
 
-def run(model: Path, frames: int, warmup: int, count_syncs: bool = False) -> dict:
+def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_kernels: bool = False) -> dict:
     t0 = time.perf_counter()
     perception, language = PerceptionEngine.load(model), LanguageEngine.load(model)
     speech, codec = TTSEngine.load(model), CodecEngine.load(model)
@@ -111,9 +168,9 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False) -> dic
     decoder = codec.open_stream()
     times: dict[str, list[float]] = {"perception": [], "language": [], "tts": [], "codec": []}
     syncs: dict[str, list[dict[str, int]]] = {name: [] for name in times}
-    counter = SyncCounter()
+    counter = KernelCounter() if count_kernels else SyncCounter()
     for index, chunk in enumerate(audio):
-        counted = count_syncs and index >= warmup
+        counted = (count_syncs or count_kernels) and index >= warmup
         with counter if counted else contextlib.nullcontext():
             marks, counts = [time.perf_counter()], []
             frame = stream.push(chunk)
@@ -135,7 +192,15 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False) -> dic
                 times[stage].append((end - start) * 1000.0)
                 syncs[stage].append(count)
     stages = {name: summarize(values) for name, values in times.items()}
-    if count_syncs:
+    if count_kernels:
+        for name, rows in syncs.items():
+            top: collections.Counter[str] = collections.Counter()
+            for row in rows:
+                top.update(row["top"])
+            stages[name]["kernels"] = {"mean": statistics.fmean(row["kernels"] for row in rows),
+                                       "max": max(row["kernels"] for row in rows),
+                                       "top": [name for name, _ in top.most_common(5)]}
+    elif count_syncs:
         for name, rows in syncs.items():
             stages[name]["syncs"] = {
                 kind: {"mean": statistics.fmean(row[kind] for row in rows),
@@ -161,9 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--count-syncs", action="store_true",
                         help="also count each stage's host synchronisations per frame (mx.eval calls, host reads)")
+    parser.add_argument("--count-kernels", action="store_true",
+                        help="count the operations each stage's evaluations run per frame (views left out)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    report = run(args.model, args.frames, args.warmup, args.count_syncs)
+    if args.count_syncs and args.count_kernels:
+        parser.error("--count-syncs and --count-kernels: choose one (each wraps mx.eval)")
+    report = run(args.model, args.frames, args.warmup, args.count_syncs, args.count_kernels)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -175,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             s = row["syncs"]
             line += (f"   syncs/frame {s['total']['mean']:5.2f} (max {s['total']['max']}): "
                      f"eval {s['eval']['mean']:.2f}, read {s['read']['mean']:.2f}")
+        if "kernels" in row:
+            k = row["kernels"]
+            line += f"   kernels/frame {k['mean']:7.1f} (max {k['max']}): {', '.join(k['top'])}"
         print(line)
     print(f"  real-time factor of a sequential frame loop: {report['realtime_factor']:.3f}")
     return 0
