@@ -10,8 +10,9 @@ While a batch runs, the steps that arrive queue and form the next one, so batche
 batching. When the engine is idle, a step waits for company only while fewer steps are queued than sessions are
 open, and at most `gather_s` (a few ms): sessions whose frames arrive together then share one batch instead of
 the first running alone and the rest after it. One session alone never waits and runs batches of one (the
-engines' solo path). Batched calls return one result per entry, an exception instance for an entry that failed
-on its own (bad input), so one session's error reaches that session only.
+engines' solo path), straight from its own handler: no batching task, no extra turns of the event loop. Batched
+calls return one result per entry, an exception instance for an entry that failed on its own (bad input), so one
+session's error reaches that session only.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class StepBatcher(Generic[Entry, Result]):
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
+        self._solo = False  # a lone session's step runs in its caller's task now
         self._running = 0  # entries of the batch on the engine thread now
 
     @classmethod
@@ -109,9 +111,28 @@ class StepBatcher(Generic[Entry, Result]):
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiting.append((entry, future))
         self._arrived.set()
-        if self._drainer is None:
+        if self._drainer is None and not self._solo:
+            if self._alone():
+                return await self._run_solo(future)
             self._drainer = asyncio.create_task(self._drain())
         return await future
+
+    def _alone(self) -> bool:
+        """One session is open and its step is the only one: a batch of one, with nothing to gather."""
+        return self.sessions is not None and len(self._waiting) == 1 and self.sessions() <= 1
+
+    async def _run_solo(self, future: asyncio.Future[Result]) -> Result:
+        """Run the one waiting step in the caller's task; steps that arrive meanwhile queue and are drained after
+        it, as they would behind any running batch."""
+        batch, self._waiting = self._waiting, []
+        self._solo = True
+        try:
+            await self._run(batch)
+        finally:
+            self._solo = False
+            if self._waiting and self._drainer is None:
+                self._drainer = asyncio.create_task(self._drain())
+        return future.result()
 
     async def _drain(self) -> None:
         try:

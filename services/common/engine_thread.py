@@ -52,10 +52,20 @@ class EngineThread:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run fn on the engine thread and await its result. Cancelling the awaiting task does not stop a
-        job already running; a job still queued is dropped."""
+        job already running; a job still queued is dropped.
+
+        The job hands its outcome straight to the awaiting loop (one `call_soon_threadsafe`), without the chain
+        of futures `asyncio.wrap_future` builds around the executor's."""
         if self.on_engine_thread():  # an engine job running an event loop: do not queue behind itself
             return fn(*args, **kwargs)
-        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        job = self.submit(_answer, loop, future, fn, args, kwargs)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            job.cancel()  # still queued: dropped; already running: runs to its end, its outcome discarded
+            raise
 
     def submit_sync(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run fn on the engine thread and block for its result; runs inline when already on it."""
@@ -73,3 +83,26 @@ class EngineThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], fn: Callable[..., T], args: tuple,
+            kwargs: dict[str, Any]) -> None:
+    """On the engine thread: run fn and pass its result or exception to `future` on `loop`."""
+    try:
+        result, error = fn(*args, **kwargs), None
+    except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting task
+        result, error = None, exc
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:  # the loop has closed: nobody is left to answer
+        pass
+
+
+def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
+    """On the loop: give the awaiting task its outcome, unless it stopped waiting."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)  # type: ignore[arg-type]
+    else:
+        future.set_exception(error)

@@ -87,16 +87,17 @@ def to_proto_np(array: np.ndarray, dtype: int | None = None) -> Tensor:
     exactly bfloat16 (ValueError otherwise: the wire never rounds).
     """
     array = np.asarray(array)
+    own = _wire_dtype(array) if dtype != tensor_pb2.DTYPE_BFLOAT16 else None
     if dtype is None:
-        dtype = _wire_dtype(array)
+        dtype = own
     if dtype == tensor_pb2.DTYPE_BFLOAT16:
         array = _bf16_bits(array)
-    elif dtype != _wire_dtype(array):
+    elif dtype != own:
         raise ValueError(f"a {array.dtype} array cannot be sent as {dtype_name(dtype)}")
-    data = np.ascontiguousarray(
-        array, dtype=_storage(dtype)
-    )  # same kind and size: only byte order may change
-    return Tensor(shape=list(array.shape), dtype=dtype, data=data.tobytes())
+    storage = _STORAGE[dtype]
+    if array.dtype != storage:  # same kind and size: only byte order may change
+        array = array.astype(storage)
+    return Tensor(shape=array.shape, dtype=dtype, data=array.tobytes())  # tobytes: C order, one copy
 
 
 def _bf16_bits(array: np.ndarray) -> np.ndarray:
@@ -131,9 +132,15 @@ def from_proto_np(tensor: Tensor, *, bfloat16: str = "float32") -> np.ndarray:
 
 def _payload(tensor: Tensor) -> np.ndarray:
     """Validated payload as a writable native-order array of the storage dtype."""
+    storage, flat = _view(tensor)
+    return flat.astype(storage.newbyteorder("="), copy=True)
+
+
+def _view(tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(storage dtype, validated payload shaped as the tensor): a read-only view of the message's bytes."""
     storage = _storage(tensor.dtype)
     shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * storage.itemsize
     actual = len(tensor.data)
@@ -142,8 +149,7 @@ def _payload(tensor: Tensor) -> np.ndarray:
             f"tensor payload is {actual} bytes but shape {list(shape)} of {dtype_name(tensor.dtype)} "
             f"needs {expected} bytes"
         )
-    flat = np.frombuffer(tensor.data, dtype=storage)
-    return flat.astype(storage.newbyteorder("="), copy=True).reshape(shape)
+    return storage, np.frombuffer(tensor.data, dtype=storage).reshape(shape)
 
 
 def to_proto(array: mx.array | np.ndarray) -> Tensor:
@@ -162,10 +168,12 @@ def from_proto(tensor: Tensor) -> mx.array:
     empty tensor's payload agrees with any other dimension)."""
     import mlx.core as mx
 
-    bits = _payload(tensor)
-    if any(d > MLX_MAX_DIM for d in bits.shape):
+    storage, bits = _view(tensor)
+    if bits.shape and max(bits.shape) > MLX_MAX_DIM:
         raise ValueError(f"tensor shape {list(bits.shape)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
                          "array can hold")
+    if not storage.isnative:
+        bits = bits.astype(storage.newbyteorder("="))
     if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
         return mx.array(bits).view(mx.bfloat16)
-    return mx.array(bits)
+    return mx.array(bits)  # a copy: the array does not hold on to the message's bytes

@@ -274,3 +274,70 @@ def test_precompile_runs_on_the_engine_thread_capped_at_max_batch(engine_thread)
     asyncio.run(scenario(BatchOptions(max_batch=8, precompile=3)))
     asyncio.run(scenario(BatchOptions(max_batch=8)))  # 0: nothing at load
     assert calls == [(4, True), (3, True)]
+
+
+def test_a_lone_sessions_step_runs_in_its_own_task(engine_thread, monkeypatch):
+    recorder, sizes, tasks = Recorder(), [], []
+    batcher = StepBatcher(engine_thread, recorder, on_batch=sizes.append, sessions=lambda: 1)
+    create_task = asyncio.create_task
+
+    def counted(coro, **kwargs):
+        tasks.append(coro)
+        return create_task(coro, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_task", counted)
+
+    async def scenario():
+        return [await batcher.submit(1), await _error_of(batcher.submit(-2)), await batcher.submit(3)]
+
+    assert asyncio.run(scenario()) == [10, "bad entry -2", 30]
+    assert recorder.batches == [[1], [-2], [3]] and sizes == [1, 1, 1]
+    assert tasks == []  # no batching task: each step ran straight from its caller
+
+
+def test_steps_arriving_during_a_lone_sessions_step_are_drained_after_it(engine_thread):
+    recorder, open_sessions = Recorder(), [1]
+    batcher = StepBatcher(engine_thread, recorder, sessions=lambda: open_sessions[0])
+
+    async def scenario():
+        recorder.hold.clear()
+        solo = asyncio.ensure_future(batcher.submit(1))
+        await _wait_started(recorder)  # the lone session's step is on the engine thread
+        open_sessions[0] = 3  # two more sessions open and send their first steps meanwhile
+        later = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]
+        await asyncio.sleep(0.01)
+        counts = (batcher.running, batcher.queued)
+        recorder.hold.set()
+        return await solo, await asyncio.gather(*later), counts
+
+    solo, later, counts = asyncio.run(scenario())
+    assert solo == 10 and later == [20, 30] and counts == (1, 2)
+    assert recorder.batches == [[1], [2, 3]]
+
+
+def test_a_cancelled_lone_step_still_lets_queued_steps_run(engine_thread):
+    recorder, open_sessions = Recorder(), [1]
+    batcher = StepBatcher(engine_thread, recorder, sessions=lambda: open_sessions[0])
+
+    async def scenario():
+        recorder.hold.clear()
+        solo = asyncio.ensure_future(batcher.submit(1))
+        await _wait_started(recorder)
+        open_sessions[0] = 2
+        other = asyncio.ensure_future(batcher.submit(2))
+        await asyncio.sleep(0)
+        solo.cancel()
+        await asyncio.wait({solo})
+        recorder.hold.set()
+        return solo.cancelled(), await other
+
+    assert asyncio.run(scenario()) == (True, 20)
+    assert recorder.batches == [[1], [2]]
+
+
+async def _error_of(awaitable) -> str:
+    try:
+        await awaitable
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("no error")

@@ -103,6 +103,18 @@ def test_big_endian_input_is_sent_little_endian():
     np.testing.assert_array_equal(from_proto_np(tensor), array)
 
 
+@pytest.mark.parametrize("view", ["transposed", "strided", "fortran", "big-endian transposed"])
+def test_non_contiguous_input_is_sent_in_c_order(view):
+    base = np.arange(12, dtype=np.int32).reshape(3, 4)
+    array = {"transposed": base.T, "strided": base[:, ::2], "fortran": np.asfortranarray(base),
+             "big-endian transposed": base.astype(">i4").T}[view]
+    tensor = to_proto_np(array)
+    assert list(tensor.shape) == list(array.shape)
+    assert tensor.data == np.ascontiguousarray(array, dtype="<i4").tobytes()
+    np.testing.assert_array_equal(from_proto_np(tensor), array)
+    assert np.array_equal(np.array(from_proto(tensor)), array)
+
+
 def test_truncated_payload_names_both_byte_counts():
     tensor = to_proto_np(np.zeros((2, 1280), np.float32))
     tensor.data = tensor.data[:-3]
