@@ -1,7 +1,7 @@
 """The command line shared by the services' `__main__`:
 
     python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
-                             [--log-level L] [--metrics-port N] [--metrics-host H]
+                             [--cache-limit-mb MB] [--log-level L] [--metrics-port N] [--metrics-host H]
 
 --model defaults to $VOICECHAT_MODEL. Once the model has loaded and health says SERVING, the process prints
 `listening on HOST:PORT` (flushed) to stdout, so a parent that started it with --port 0 can parse the port.
@@ -99,6 +99,14 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "for a size's first compilation; worth it on a GPU, where that takes long (default 0: compile on first use)",
     )
     parser.add_argument(
+        "--cache-limit-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="keep at most this many MiB of freed device buffers for reuse (MLX's buffer cache; default MLX's own "
+        "limit). Batched steps grow the cache: several services sharing one GPU may need it bounded",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -128,7 +136,17 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--precompile-batches {args.precompile_batches}: must be zero or more")
     if not 0 <= args.batch_wait_ms < 1000:
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
+    if args.cache_limit_mb is not None and not 0 <= args.cache_limit_mb < 2**40:
+        parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
     return args
+
+
+def apply_cache_limit(limit_mb: float | None) -> None:
+    """Bound MLX's buffer cache (--cache-limit-mb); None leaves MLX's default."""
+    if limit_mb is not None:
+        import mlx.core as mx
+
+        mx.set_cache_limit(int(limit_mb * (1 << 20)))
 
 
 def configure_logging(level: str) -> None:
@@ -190,6 +208,7 @@ def run_service(
         add_arguments(parser)
     args = parse_args(parser, argv)
     configure_logging(args.log_level)
+    apply_cache_limit(args.cache_limit_mb)
     spec: ServiceSpec | None = None
     exposition: MetricsServer | None = None
     try:

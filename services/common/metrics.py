@@ -9,6 +9,8 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_errors_total{service,code}          counter: errors by gRPC status code name (services) or by
                                                   conversation ERROR_CODE_* name / realtime error type (orchestrator)
     voicechat_batch_size{service}                 histogram: sessions per batched engine step (network services)
+    voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
+                                                  `cache` freed but kept for reuse, `peak` active since start
 
 Each Metrics owns its own CollectorRegistry, so several servers in one test process do not collide:
 
@@ -81,6 +83,12 @@ class Metrics:
         self._batch_size = None if service == "orchestrator" else Histogram(
             "voicechat_batch_size", "Sessions whose frame steps ran together in one batched engine step",
             ["service"], buckets=BATCH_BUCKETS, registry=self.registry).labels(service)
+        if service != "orchestrator":
+            memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
+                           "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
+                           "most ever active", ["service", "kind"], registry=self.registry)
+            for kind, read in _memory_readers().items():
+                memory.labels(service, kind).set_function(read)
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
@@ -115,6 +123,14 @@ class Metrics:
     def serve(self, port: int, host: str) -> MetricsServer:
         """Expose the registry at http://HOST:PORT/metrics on a thread of its own (port 0 picks a free one)."""
         return MetricsServer(self.registry, port=port, host=host)
+
+
+def _memory_readers() -> dict[str, Callable[[], float]]:
+    """kind -> a reader of MLX's memory counter, read when scraped (MLX is imported only by the services)."""
+    import mlx.core as mx
+
+    return {"active": lambda: float(mx.get_active_memory()), "cache": lambda: float(mx.get_cache_memory()),
+            "peak": lambda: float(mx.get_peak_memory())}
 
 
 class _Handler(WSGIRequestHandler):

@@ -410,6 +410,26 @@ def test_cli_prints_the_ready_line_and_stops_on_sigterm(tmp_path):
             proc.wait()
 
 
+def test_the_cache_limit_bounds_the_buffers_mlx_keeps():
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(1 << 34)  # restored after
+    try:
+        cli.apply_cache_limit(1.0)  # 1 MiB
+        for _ in range(3):
+            block = mx.ones((1024, 1024))  # 4 MiB each, freed at once
+            mx.eval(block)
+            del block
+        assert mx.get_cache_memory() <= 1 << 20
+        cli.apply_cache_limit(None)  # leaves the limit as it is
+        block = mx.ones((1024, 1024))
+        mx.eval(block)
+        del block
+        assert mx.get_cache_memory() <= 1 << 20
+    finally:
+        mx.set_cache_limit(previous)
+
+
 def test_cli_flags(tmp_path, monkeypatch):
     parser = cli.build_parser("svc", "test")
     monkeypatch.delenv(cli.MODEL_ENV, raising=False)
@@ -421,5 +441,11 @@ def test_cli_flags(tmp_path, monkeypatch):
     assert (args.model, args.port, args.host, args.log_level) == (tmp_path, 0, "[::]", "DEBUG")
     monkeypatch.setenv(cli.MODEL_ENV, str(tmp_path))
     assert cli.parse_args(cli.build_parser("svc", "test"), []).model == tmp_path
+    assert args.cache_limit_mb is None
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(cli.build_parser("svc", "test"), ["--model", str(tmp_path), "--cache-limit-mb", bad])
+    assert cli.parse_args(cli.build_parser("svc", "test"), ["--model", str(tmp_path), "--cache-limit-mb", "0.5"]
+                          ).cache_limit_mb == 0.5
     assert cli.parse_ready_line("listening on [::]:50051\n") == ("[::]", 50051)
     assert cli.parse_ready_line("loading weights") is None

@@ -92,6 +92,23 @@ def test_batch_sizes_fill_their_buckets_and_the_orchestrator_has_none():
         orchestrator.batch(1)
 
 
+def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none():
+    import mlx.core as mx
+
+    metrics = Metrics("tts")
+    mx.clear_cache()
+    held = mx.ones((512, 1024))  # 2 MiB
+    mx.eval(held)
+    active = metrics.value("voicechat_memory_bytes", kind="active")
+    assert active == mx.get_active_memory() and active >= held.nbytes
+    assert metrics.value("voicechat_memory_bytes", kind="peak") >= active
+    cache_before = metrics.value("voicechat_memory_bytes", kind="cache")
+    del held
+    assert metrics.value("voicechat_memory_bytes", kind="active") <= active - 512 * 1024 * 4
+    assert metrics.value("voicechat_memory_bytes", kind="cache") == mx.get_cache_memory() >= cache_before
+    assert Metrics("orchestrator").value("voicechat_memory_bytes", kind="active") is None
+
+
 def test_unknown_service_and_bad_budget_are_refused():
     with pytest.raises(ValueError, match="unknown service 'gateway'"):
         Metrics("gateway")
