@@ -24,7 +24,7 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
-from services.perception.conformer import NEG_INF, Conformer, Conv
+from services.perception.conformer import Conformer, Conv
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
     RNNT,
@@ -35,7 +35,7 @@ from services.perception.rnnt import (
     RNNTState,
     pieces_to_text,
 )
-from services.perception.streaming import EncoderStream, begin_stacked
+from services.perception.streaming import EncoderStream, begin_stacked, front_pad, padding_mask
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
 
@@ -101,20 +101,6 @@ def _checked_samples(samples: np.ndarray | mx.array, sample_rate_hz: int, expect
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"waveform has non-finite samples (first at index {bad})")
     return arr.astype(np.float32, copy=False)
-
-
-def _front_pad(cache: mx.array, length: int) -> mx.array:
-    """cache (1, n, D), n <= length -> (1, length, D) with zero rows in front (itself when n == length)."""
-    missing = length - cache.shape[1]
-    return cache if missing == 0 else mx.pad(cache, [(0, 0), (missing, 0), (0, 0)])
-
-
-def _padding_mask(held: list[int], left: int, new: int) -> mx.array:
-    """(B, 1, 1, left + new) additive key mask: NEG_INF on the front padding of each row whose cache holds
-    `held[b]` < left inputs, 0 on its real keys."""
-    positions = np.arange(left + new)[None, :]
-    padding = positions < (left - np.asarray(held))[:, None]
-    return mx.array(np.where(padding, NEG_INF, 0.0).astype(np.float32))[:, None, None, :]
 
 
 class RowSources:
@@ -308,8 +294,7 @@ class PerceptionEngine:
                 enc = stream.encoder
                 if layout is not None:
                     window, _, _ = enc.begin_frame(window)
-                h, enc.attn_caches, enc.conv_caches = enc.step_fn(window, lo, hi, enc.attn_caches, enc.conv_caches)
-                results[i] = stream.emit([h])
+                results[i] = stream.emit([enc.step(window, lo, hi)])
                 continue
             batch = [stream for _, stream, _, _ in members]
             out = self._step_batch(batch, self._windows(members), lo, hi)
@@ -368,9 +353,9 @@ class PerceptionEngine:
             attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
         else:  # some caches are still filling: pad them at the front and mask the padding out
-            attn = [rows.gather([_front_pad(e.attn_caches[n], left) for e in encoders]) for n in range(n_layers)]
+            attn = [rows.gather([front_pad(e.attn_caches[n], left) for e in encoders]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_padded_stream_step(window, lo, hi, attn, conv,
-                                                                     _padding_mask(held, left, hi - lo))
+                                                                     padding_mask(held, left, hi - lo))
         attn_rows, conv_rows = [rows.split(a) for a in attn], [rows.split(c) for c in conv]
         for b, e in enumerate(encoders):
             keep = min(held[b] + hi - lo, left)  # what the solo step keeps: the real rows only

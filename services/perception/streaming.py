@@ -12,11 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
-from services.perception.conformer import Conformer, subsampled_length
+from services.perception.conformer import NEG_INF, Conformer, subsampled_length
 
 # Mel frames kept for the subsampling window; covers the causal receptive field of the 8x stride stack.
 SUBSAMPLING_MEL_CACHE = 16
+
+
+def pad_while_filling() -> bool:
+    """Whether a stream whose attention caches still fill runs the padded compiled step (on a GPU, where a step
+    costs its kernel launches: the compiled one launches far fewer) rather than the plain one (on the CPU, where
+    it costs its arithmetic: attending over the padding would be work for nothing)."""
+    return mx.default_device().type == mx.gpu
 
 
 class EncoderStream:
@@ -53,15 +61,29 @@ class EncoderStream:
         span = self._advance(mel, to_edge)
         if span is None:
             return None
-        window, lo, hi = span
-        h, self.attn_caches, self.conv_caches = self.step_fn(window, lo, hi, self.attn_caches, self.conv_caches)
-        return h
+        return self.step(*span)
 
-    @property
-    def step_fn(self):
-        """The encoder step to run now: compiled once the attention caches hold the full left context."""
-        # while the attention caches fill, their shapes change every push: run those pushes uncompiled
-        return self.encoder.compiled_stream_step if self.caches_full else self.encoder.stream_step
+    def step(self, window: mx.array, lo: int, hi: int) -> mx.array:
+        """The encoder step over the window's encoder frames [lo, hi) (a span `begin_frame` returned): updates
+        the caches, returns the (1, hi - lo, d_model) frames.
+
+        Compiled once the attention caches hold the full left context. Before that every push has new shapes:
+        on a GPU (`pad_while_filling()`) the caches are padded at the front to the full left context and the
+        padding masked out, so those pushes run compiled too (one trace, not one per cache length; the same
+        numbers); elsewhere they run uncompiled over their real keys only, which costs less arithmetic."""
+        encoder = self.encoder
+        if self.caches_full or not pad_while_filling():
+            step = encoder.compiled_stream_step if self.caches_full else encoder.stream_step
+            h, self.attn_caches, self.conv_caches = step(window, lo, hi, self.attn_caches, self.conv_caches)
+            return h
+        left = encoder.cfg.left_context
+        held = self.attn_caches[0].shape[1]
+        padded = [front_pad(cache, left) for cache in self.attn_caches]
+        h, padded, self.conv_caches = encoder.compiled_padded_stream_step(
+            window, lo, hi, padded, self.conv_caches, padding_mask([held], left, hi - lo))
+        keep = min(held + hi - lo, left)  # the real rows: what the unpadded step keeps
+        self.attn_caches = [cache[:, left - keep :] for cache in padded]
+        return h
 
     @property
     def caches_full(self) -> bool:
@@ -114,6 +136,20 @@ class EncoderStream:
     def arrays(self) -> list[mx.array]:
         """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames."""
         return [a for a in (self.mel_cache, *self.attn_caches, *self.conv_caches) if a is not None]
+
+
+def front_pad(cache: mx.array, length: int) -> mx.array:
+    """cache (1, n, D), n <= length -> (1, length, D) with zero rows in front (itself when n == length)."""
+    missing = length - cache.shape[1]
+    return cache if missing == 0 else mx.pad(cache, [(0, 0), (missing, 0), (0, 0)])
+
+
+def padding_mask(held: list[int], left: int, new: int) -> mx.array:
+    """(B, 1, 1, left + new) additive key mask: NEG_INF on the front padding of each row whose cache holds
+    `held[b]` < left inputs, 0 on its real keys."""
+    positions = np.arange(left + new)[None, :]
+    padding = positions < (left - np.asarray(held))[:, None]
+    return mx.array(np.where(padding, NEG_INF, 0.0).astype(np.float32))[:, None, None, :]
 
 
 def begin_stacked(

@@ -235,3 +235,35 @@ def test_begin_batch_builds_each_sessions_solo_proposal():
             for x, y in zip([*bh, *bc], [*sh, *sc], strict=True):
                 assert x[b : b + 1].dtype == y.dtype
                 assert np.allclose(np.array(x[b : b + 1]), np.array(y), atol=1e-6, rtol=0)
+
+
+def test_a_filling_session_padded_as_on_a_gpu_equals_its_plain_pushes_bit_for_bit(engine, monkeypatch):
+    """On a GPU a session whose caches still fill runs the padded compiled step; forced here, its frames, caches
+    and transcript across the left context equal the plain (unpadded, uncompiled) pushes' exactly."""
+    import services.perception.streaming as streaming
+
+    audio = _audio(engine, 3)
+    plain = engine.open_stream()
+    want = [plain.push(_frame(engine, audio, f)) for f in range(FRAMES)]
+    monkeypatch.setattr(streaming, "pad_while_filling", lambda: True)
+    padded_steps = []
+    original = type(engine.encoder).padded_stream_step
+
+    def spy(self, *args):
+        padded_steps.append(args[3][0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(type(engine.encoder), "padded_stream_step", spy)
+    engine.encoder.__dict__.pop("compiled_padded_stream_step", None)  # recompile around the spy
+    padded = engine.open_stream()
+    got = [padded.push(_frame(engine, audio, f)) for f in range(FRAMES)]
+    engine.encoder.__dict__.pop("compiled_padded_stream_step", None)
+    assert padded_steps and set(padded_steps) == {1}  # traced for the solo stream (batch of one)
+    for mine, theirs in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.array(mine.audio_embedding), np.array(theirs.audio_embedding))
+        np.testing.assert_array_equal(np.array(mine.encoder_out), np.array(theirs.encoder_out))
+        assert mine.transcript_delta == theirs.transcript_delta
+    for a, b in zip(padded.encoder.attn_caches + padded.encoder.conv_caches,
+                    plain.encoder.attn_caches + plain.encoder.conv_caches, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.array(a), np.array(b))
