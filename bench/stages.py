@@ -96,8 +96,8 @@ class KernelCounter:
     array themselves (`item`, `tolist`, ...) are not seen: the engines read only what an `mx.eval` covered.
     """
 
-    VIEWS = frozenset({"Squeeze", "Reshape", "Broadcast", "Slice", "Transpose", "ExpandDims", "Flatten", "Unflatten",
-                       "AsStrided", "StopGradient", "Depends"})
+    VIEWS = frozenset({"Squeeze", "Reshape", "Broadcast", "Slice", "Split", "Transpose", "ExpandDims", "Flatten",
+                       "Unflatten", "AsStrided", "StopGradient", "Depends"})
     _LABEL = re.compile(r'label ="([A-Za-z_0-9]+)"')
 
     def __init__(self) -> None:

@@ -70,6 +70,63 @@ class Linear:
 
 
 @dataclass
+class Projections:
+    """Several linear projections of one input, as one matmul where their weights are stored alike (dense of one
+    dtype, or quantized with one spec, all with or all without a bias): y = x [W_1; W_2; ...]^T, split back into
+    each projection's output. Each output column is its own row's dot product either way, so the outputs are
+    those of the separate layers (the parity tests hold the joined path to them); one kernel, not one each.
+
+        q, k, v = Projections.from_weights(weights, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"])(x)
+    """
+
+    joined: Linear | None
+    parts: list[Linear]  # the separate layers; empty once joined (their weights then live in `joined` only)
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_weights(cls, weights: Weights, paths: list[str]) -> Projections:
+        """The projections at `paths`, joined when they can be. Joined weights are evaluated at once and their
+        sources dropped from `weights`, so loading never holds both copies of more than one group."""
+        parts = [Linear.from_weights(weights, path) for path in paths]
+        sizes = tuple(part.out_features for part in parts)
+        joined = _joined(parts)
+        if joined is None:
+            return cls(None, parts, sizes)
+        mx.eval([a for a in (joined.weight, joined.bias, joined.scales, joined.biases) if a is not None])
+        for path in paths:
+            for name in ("weight", "bias", "scales", "biases"):
+                weights.arrays.pop(f"{path}.{name}", None)
+        return cls(joined, [], sizes)
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if self.joined is None:
+            return [part(x) for part in self.parts]
+        cuts, total = [], 0
+        for size in self.sizes[:-1]:
+            total += size
+            cuts.append(total)
+        return mx.split(self.joined(x), cuts, axis=-1)
+
+
+def _joined(parts: list[Linear]) -> Linear | None:
+    """The layers' weights stacked along the output axis as one Linear; None unless they are stored alike."""
+    first = parts[0]
+    alike = all(
+        p.spec == first.spec and p.weight.dtype == first.weight.dtype and p.weight.shape[1:] == first.weight.shape[1:]
+        and (p.bias is None) == (first.bias is None)
+        and (p.scales is None or (p.scales.dtype == first.scales.dtype and p.biases.dtype == first.biases.dtype))
+        for p in parts)
+    if not alike or (first.bias is not None and any(p.bias.dtype != first.bias.dtype for p in parts)):
+        return None
+
+    def stack(name: str) -> mx.array | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else mx.concatenate(values, axis=0)
+
+    return Linear(stack("weight"), stack("bias"), stack("scales"), stack("biases"), first.spec)
+
+
+@dataclass
 class Embedding:
     """Row lookup `table[ids]`, dense or quantized (rows dequantized after the gather)."""
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from services.common.checkpoint import Weights
 from services.common.config import EncoderConfig
-from services.common.layers import Linear
+from services.common.layers import Linear, Projections
 
 NEG_INF = -1e30
 # Causal 3x3 stride-2 convs pad (kernel - 1) before and (stride - 1) after, on time and frequency.
@@ -140,8 +140,7 @@ class Subsampling:
 @dataclass
 class RelPosAttention:
     q: Linear
-    k: Linear
-    v: Linear
+    kv: Projections  # linear_k and linear_v, both of the keys' input, as one matmul
     out: Linear
     pos: Linear
     bias_u: mx.array  # (H, Dh)
@@ -150,9 +149,10 @@ class RelPosAttention:
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, n_heads: int) -> RelPosAttention:
-        lin = {n: Linear.from_weights(weights, f"{path}.linear_{n}") for n in ("q", "k", "v", "out", "pos")}
-        return cls(lin["q"], lin["k"], lin["v"], lin["out"], lin["pos"],
-                   weights.get(f"{path}.pos_bias_u"), weights.get(f"{path}.pos_bias_v"), n_heads)
+        lin = {n: Linear.from_weights(weights, f"{path}.linear_{n}") for n in ("q", "out", "pos")}
+        kv = Projections.from_weights(weights, [f"{path}.linear_k", f"{path}.linear_v"])
+        return cls(lin["q"], kv, lin["out"], lin["pos"], weights.get(f"{path}.pos_bias_u"),
+                   weights.get(f"{path}.pos_bias_v"), n_heads)
 
     def __call__(self, x: mx.array, kv: mx.array, pos_emb: mx.array, mask: mx.array | None) -> mx.array:
         """x: (B, Tq, D) queries; kv: (B, Tk, D) keys/values, the last Tq of them aligned with x;
@@ -163,8 +163,9 @@ class RelPosAttention:
         dh = d // h
         scale = dh**-0.5
         q = self.q(x).reshape(b, tq, h, dh)
-        k = self.k(kv).reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
-        v = self.v(kv).reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
+        k, v = self.kv(kv)
+        k = k.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
+        v = v.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         p = self.pos(pos_emb)
         p = p.reshape(p.shape[0], p.shape[1], h, dh).transpose(0, 2, 1, 3)
         q_u = (q + self.bias_u).transpose(0, 2, 1, 3)

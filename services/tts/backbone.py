@@ -27,7 +27,7 @@ import numpy as np
 
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
-from services.common.layers import Linear
+from services.common.layers import Linear, Projections
 from services.tts.blocks import GatedMLP, GemmaRMSNorm
 
 _GROW = 256  # cache growth step, as the reference's caches allocate
@@ -156,9 +156,7 @@ class RingCache:
 
 @dataclass
 class Attention:
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
+    qkv: Projections  # q_proj, k_proj, v_proj as one matmul
     o_proj: Linear
     q_norm: GemmaRMSNorm
     k_norm: GemmaRMSNorm
@@ -171,9 +169,10 @@ class Attention:
         """x: (B, T, D) -> q, k, v (B, heads, T, head_dim), normed and rotated from position `offset` (an int,
         or a (B,) int32 array of each row's offset)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.qkv(x)
+        q = q.reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.q_norm(q), self.k_norm(k)
         dims = q.shape[-1]
         q = mx.fast.rope(q, dims, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
@@ -301,7 +300,8 @@ class Gemma3Backbone:
                 return GemmaRMSNorm.from_weights(weights, f"{p}.{name}", eps)
 
             attn = Attention(
-                *(Linear.from_weights(weights, f"{p}.self_attn.{n}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                Projections.from_weights(weights, [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]),
+                Linear.from_weights(weights, f"{p}.self_attn.o_proj"),
                 q_norm=norm("self_attn.q_norm"),
                 k_norm=norm("self_attn.k_norm"),
                 n_heads=config.num_attention_heads,

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from services.common.checkpoint import Weights
-from services.common.layers import Linear
+from services.common.layers import Linear, Projections
 
 
 @dataclass
@@ -53,13 +53,14 @@ class OffsetRMSNorm:
 class GatedMLP:
     """down(gelu_tanh(gate(x)) * up(x)); x: (..., D) -> (..., D)."""
 
-    gate_proj: Linear
-    up_proj: Linear
+    gate_up: Projections  # gate_proj and up_proj as one matmul
     down_proj: Linear
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str) -> GatedMLP:
-        return cls(*(Linear.from_weights(weights, f"{path}.{name}") for name in ("gate_proj", "up_proj", "down_proj")))
+        return cls(Projections.from_weights(weights, [f"{path}.gate_proj", f"{path}.up_proj"]),
+                   Linear.from_weights(weights, f"{path}.down_proj"))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(nn.gelu_approx(gate) * up)

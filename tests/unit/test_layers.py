@@ -1,0 +1,77 @@
+"""Projections: several projections of one input joined into one matmul give each layer's own output."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.checkpoint import Weights
+from services.common.config import QuantSpec
+from services.common.layers import Linear, Projections
+
+RNG = np.random.default_rng(0)
+
+
+def _weights(arrays: dict[str, mx.array], specs: dict[str, QuantSpec] | None = None) -> Weights:
+    specs = specs or {}
+    return Weights(SimpleNamespace(path="test", quant_spec=lambda module: specs.get(module)), dict(arrays))
+
+
+def _dense(out: int, inp: int, dtype=mx.bfloat16) -> mx.array:
+    return mx.array(RNG.standard_normal((out, inp)).astype(np.float32)).astype(dtype)
+
+
+def _quantized(prefix: str, out: int, inp: int, spec: QuantSpec) -> dict[str, mx.array]:
+    weight, scales, biases = mx.quantize(_dense(out, inp, mx.float32), group_size=spec.group_size, bits=spec.bits)
+    return {f"{prefix}.weight": weight, f"{prefix}.scales": scales, f"{prefix}.biases": biases}
+
+
+def _separately(arrays: dict[str, mx.array], paths: list[str], specs=None, x: mx.array | None = None):
+    return [Linear.from_weights(_weights(arrays, specs), path)(x) for path in paths]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 32])
+def test_joined_dense_projections_equal_the_separate_layers_bit_for_bit(rows):
+    arrays = {"a.q.weight": _dense(96, 64), "a.k.weight": _dense(32, 64), "a.v.weight": _dense(32, 64)}
+    paths = ["a.q", "a.k", "a.v"]
+    x = mx.array(RNG.standard_normal((rows, 1, 64)).astype(np.float32))
+    weights = _weights(arrays)
+    projections = Projections.from_weights(weights, paths)
+    assert projections.joined is not None and projections.parts == [] and projections.sizes == (96, 32, 32)
+    assert not any(key.startswith("a.") for key in weights.arrays)  # the sources are dropped once joined
+    for got, want in zip(projections(x), _separately(arrays, paths, x=x), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_joined_biased_and_quantized_projections_equal_the_separate_layers():
+    x = mx.array(RNG.standard_normal((3, 128)).astype(np.float32))
+    biased = {"b.k.weight": _dense(64, 128, mx.float32), "b.k.bias": _dense(1, 64, mx.float32)[0],
+              "b.v.weight": _dense(48, 128, mx.float32), "b.v.bias": _dense(1, 48, mx.float32)[0]}
+    spec = QuantSpec(bits=4, group_size=64)
+    quantized = {**_quantized("c.k", 64, 128, spec), **_quantized("c.v", 32, 128, spec)}
+    specs = {"c.k": spec, "c.v": spec}
+    for arrays, paths, specs_ in ((biased, ["b.k", "b.v"], None), (quantized, ["c.k", "c.v"], specs)):
+        projections = Projections.from_weights(_weights(arrays, specs_), paths)
+        assert projections.joined is not None
+        for got, want in zip(projections(x), _separately(arrays, paths, specs_, x=x), strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_projections_stored_differently_stay_separate():
+    x = mx.array(RNG.standard_normal((2, 128)).astype(np.float32))
+    four, eight = QuantSpec(bits=4, group_size=64), QuantSpec(bits=8, group_size=64)
+    cases = [
+        ({"d.a.weight": _dense(16, 128), "d.b.weight": _dense(16, 128, mx.float32)}, None),  # two dtypes
+        ({"d.a.weight": _dense(16, 128), "d.b.weight": _dense(16, 128), "d.b.bias": _dense(1, 16)[0]}, None),
+        ({**_quantized("d.a", 64, 128, four), **_quantized("d.b", 64, 128, eight)}, {"d.a": four, "d.b": eight}),
+        ({**_quantized("d.a", 64, 128, four), "d.b.weight": _dense(16, 128)}, {"d.a": four}),
+    ]
+    for arrays, specs in cases:
+        weights = _weights(arrays, specs)
+        projections = Projections.from_weights(weights, ["d.a", "d.b"])
+        assert projections.joined is None and len(projections.parts) == 2
+        assert set(weights.arrays) == set(arrays)  # nothing dropped
+        for got, want in zip(projections(x), _separately(arrays, ["d.a", "d.b"], specs, x=x), strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
