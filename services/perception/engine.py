@@ -184,6 +184,8 @@ class PerceptionEngine:
             # weights in float32 rather than have every call convert them (outputs are identical; the converted
             # weights take twice the memory). The LSTM's input may be a bf16 row: it stays as stored.
             mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv)))
+        del weights
+        mx.clear_cache()  # the buffers of the weights joined or converted at load go back to the device
         return cls(config, encoder, proj, rnnt)
 
     @property

@@ -91,6 +91,8 @@ class TTSEngine:
                 max_prefix_steps=max_prefix_steps,
             )
             mx.eval(weights.arrays, model.code_rows, model.code_starts, model.books, model.book_norms, wide)
+            del weights
+            mx.clear_cache()  # the buffers of the weights joined or converted at load go back to the device
             return engine
         finally:
             checkpoint.close()
