@@ -27,6 +27,10 @@ class Linear:
     scales: mx.array | None = None
     biases: mx.array | None = None
     spec: QuantSpec | None = None
+    # The dtype the arrays named in `widened` were stored in before `widen` kept them wider; an input of that
+    # dtype computes with them cast back (exactly: they hold values of that dtype), as it did before.
+    narrow: mx.Dtype | None = None
+    widened: tuple[str, ...] = ()
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, *, bias: bool | None = None) -> Linear:
@@ -51,15 +55,23 @@ class Linear:
         return self.weight.shape[1] * 32 // self.spec.bits
 
     def __call__(self, x: mx.array) -> mx.array:
+        back = self.narrow is not None and x.dtype == self.narrow
+
+        def stored(name: str) -> mx.array | None:
+            value = getattr(self, name)
+            return value.astype(self.narrow) if back and name in self.widened else value
+
+        bias = stored("bias")
         if self.spec is None:
-            if self.bias is not None:
-                return mx.addmm(self.bias, x, self.weight.T)
-            return x @ self.weight.T
+            weight = stored("weight")
+            if bias is not None:
+                return mx.addmm(bias, x, weight.T)
+            return x @ weight.T
         y = mx.quantized_matmul(
-            x, self.weight, scales=self.scales, biases=self.biases, transpose=True,
+            x, self.weight, scales=stored("scales"), biases=stored("biases"), transpose=True,
             group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
         )
-        return y + self.bias if self.bias is not None else y
+        return y + bias if bias is not None else y
 
     def dense_weight(self) -> mx.array:
         """The weight as a dense matrix (dequantized when stored quantized)."""
@@ -106,6 +118,10 @@ class Projections:
             total += size
             cuts.append(total)
         return mx.split(self.joined(x), cuts, axis=-1)
+
+
+def _narrower(value: mx.array | None, dtype: mx.Dtype) -> bool:
+    return value is not None and mx.issubdtype(value.dtype, mx.floating) and value.itemsize < dtype.size
 
 
 def _joined(parts: list[Linear]) -> Linear | None:
@@ -161,22 +177,29 @@ class Embedding:
 
 
 def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) -> list[mx.array]:
-    """Store the dense `weight` and `bias` of every `kinds` instance under `module` (dataclass fields, lists and
-    tuples, recursively) in `dtype` when they are narrower; returns the converted arrays (to evaluate).
+    """Store the float arrays of every `kinds` instance under `module` (dataclass fields, lists and tuples,
+    recursively) in `dtype` when they are narrower: the dense `weight` and `bias`, and a quantized layer's
+    `scales` and `biases`; returns the converted arrays (to evaluate).
 
-    Only for modules whose matmuls and convolutions always see `dtype` activations: MLX promotes a narrower
-    weight to the activations' dtype inside every call, a converted copy of the whole weight per call. Stored
-    converted once (exactly: every bf16 value is a float32 value), each call computes with the very values it
-    used before, so outputs are unchanged; the cost is the wider weights' memory.
+    MLX converts a narrower weight (or a quantized layer's scales and biases) to the activations' dtype inside
+    every call: a converted copy per call. Stored converted once (exactly: every bf16 value is a float32 value),
+    each call computes with the very values it used before, so outputs are unchanged; the cost is the wider
+    arrays' memory. A `Linear` records the dtype it had (`narrow`) and casts back for inputs of that dtype, so
+    modules that also see narrow activations compute as before too.
     """
     converted: list[mx.array] = []
     if isinstance(module, kinds):
-        if getattr(module, "spec", None) is None:  # quantized weights are not promoted
-            for name in ("weight", "bias"):
-                value = getattr(module, name)
-                if value is not None and mx.issubdtype(value.dtype, mx.floating) and value.itemsize < dtype.size:
-                    setattr(module, name, value.astype(dtype))
-                    converted.append(getattr(module, name))
+        quantized = getattr(module, "spec", None) is not None
+        names = [name for name in (("scales", "biases", "bias") if quantized else ("weight", "bias"))
+                 if _narrower(getattr(module, name), dtype)]
+        if isinstance(module, Linear):
+            if len({getattr(module, name).dtype for name in names}) > 1 or (names and module.widened):
+                raise ValueError("widen: a Linear's arrays must share one narrower dtype and be widened once")
+            if names:
+                module.narrow, module.widened = getattr(module, names[0]).dtype, tuple(names)
+        for name in names:
+            setattr(module, name, getattr(module, name).astype(dtype))
+            converted.append(getattr(module, name))
     elif dataclasses.is_dataclass(module) and not isinstance(module, type):
         for field in dataclasses.fields(module):
             converted += widen(getattr(module, field.name), dtype, kinds)

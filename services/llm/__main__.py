@@ -20,12 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stored (default) keeps quantized projections quantized; bfloat16 dequantizes them at load: more "
              "memory, dense matmuls that batch across sessions on a GPU",
     )
+    parser.add_argument(
+        "--float32-weights", action="store_true",
+        help="keep in float32 what every frame's matmuls convert to float32: the dense weights (with "
+             "--weights-dtype bfloat16: twice their memory) or the quantized layers' scales and biases (stored: "
+             "about 1/16 byte more a parameter); identical outputs, fewer conversions per frame",
+    )
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, BatchOptions.from_args(args))
+    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, BatchOptions.from_args(args),
+                      args.float32_weights)
 
 
 if __name__ == "__main__":

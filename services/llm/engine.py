@@ -22,6 +22,7 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
+from services.common.layers import widen
 from services.llm.nemotron_h import WEIGHT_PREFIXES, DuplexLanguageModel, KVCache, LayerCache
 
 MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
@@ -202,9 +203,13 @@ class LanguageEngine:
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-             weights_dtype: str | None = None) -> LanguageEngine:
+             weights_dtype: str | None = None, float32_weights: bool = False) -> LanguageEngine:
         """weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
-        batch almost for free on a GPU); None keeps them as stored."""
+        batch almost for free on a GPU); None keeps them as stored.
+
+        float32_weights keeps the projections' arrays that their matmuls convert to the float32 activations of
+        every frame step in float32 instead: the dense weights, or a quantized layer's scales and biases (outputs
+        identical; twice those arrays' memory). The bfloat16 prompt prefix computes with them cast back."""
         if weights_dtype not in (None, "stored", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
         checkpoint = Checkpoint(model_dir)
@@ -214,6 +219,10 @@ class LanguageEngine:
                 weights = weights.dequantized(mx.bfloat16)
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
+            if float32_weights:
+                mx.eval(widen([model.backbone, model.lm_head, model.function_head], mx.float32))
+                del weights
+                mx.clear_cache()
         finally:
             checkpoint.close()
         tokenizer_path = Path(model_dir) / "tokenizer.json"

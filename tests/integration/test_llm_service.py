@@ -249,14 +249,37 @@ def test_each_stream_chooses_its_prefix_precision(tiny_checkpoint, golden, preci
     assert [r.function_token_id for r in results] == z["function_tokens"].tolist()
 
 
-def test_weights_dtype_bfloat16_serves_the_dequantized_model(tiny4_checkpoint):
-    """`--weights-dtype bfloat16` gives the reference's ids on the checkpoint dequantized to bf16."""
+@pytest.mark.parametrize("extra", [[], ["--float32-weights"]], ids=["bf16", "bf16-float32"])
+def test_weights_dtype_bfloat16_serves_the_dequantized_model(tiny4_checkpoint, extra):
+    """`--weights-dtype bfloat16` gives the reference's ids on the checkpoint dequantized to bf16, also with the
+    dequantized weights kept in float32 (`--float32-weights`)."""
     golden = np.load(GOLDEN / "offline_4bit_bf16.npz")
     rows = golden["audio_embeds"][:6]
-    with service_process("llm", tiny4_checkpoint, "--weights-dtype", "bfloat16") as (address, process):
+    with service_process("llm", tiny4_checkpoint, "--weights-dtype", "bfloat16", *extra) as (address, process):
         with grpc.insecure_channel(address) as channel:
             stub = language_pb2_grpc.LanguageServiceStub(channel)
             requests = [open_request(), *(step_request(i, row) for i, row in enumerate(rows))]
             responses = list(stub.Stream(iter(requests), timeout=30))
         assert [r.step.text_token_id for r in responses[1:]] == golden["text_tokens"][:6].tolist()
         assert terminate(process) == 0
+
+
+def test_the_float32_weights_flag_reaches_the_engine(tiny4_checkpoint):
+    """`python -m services.llm --float32-weights` loads the engine with the quantized layers' scales and biases
+    kept in float32."""
+    import asyncio
+
+    from services.common.cli import build_parser, parse_args
+    from services.llm.__main__ import add_arguments, build
+
+    parser = build_parser("services.llm", "test")
+    add_arguments(parser)
+    for flags, dtype in (([], mx.bfloat16), (["--float32-weights"], mx.float32)):
+        spec = build(parse_args(parser, ["--model", str(tiny4_checkpoint), *flags]))
+        try:
+            asyncio.run(spec.load())
+            engine = spec.registrations[0][1].engine
+            projection = engine.model.backbone.blocks[0].mixer.in_proj
+            assert projection.spec is not None and projection.scales.dtype == dtype
+        finally:
+            spec.close()

@@ -20,10 +20,13 @@ PROMPT = "Be concise and answer in one sentence."
 LOGIT_ATOL = {False: 1e-5, True: 5e-5}
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
+@pytest.fixture(scope="module", params=["stored", "float32"])
+def engines(request, tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
+    """The engines as loaded, and with float32 weights (`--float32-weights`: dense weights, quantized scales and
+    biases kept in float32; the bf16 prompt prefix casts them back): both must give the reference's numbers."""
     paths = {"dense": tiny_checkpoint, "4bit": tiny4_checkpoint, "mixed": tinymix_checkpoint}
-    return {name: LanguageEngine.load(path) for name, path in paths.items()}
+    wide = request.param == "float32"
+    return {name: LanguageEngine.load(path, float32_weights=wide) for name, path in paths.items()}
 
 
 def _golden(name):
@@ -85,13 +88,16 @@ def test_prompt_ids_are_bos_tokens_eos(engines):
     assert engines["dense"].prompt_ids("   ") == []
 
 
-def test_bf16_weights_mode_equals_the_reference_on_the_dequantized_checkpoint(tiny4_checkpoint):
+@pytest.mark.parametrize("float32_weights", [False, True])
+def test_bf16_weights_mode_equals_the_reference_on_the_dequantized_checkpoint(tiny4_checkpoint, float32_weights):
     """`--weights-dtype bfloat16` dequantizes at load; the reference ran on the checkpoint dequantized the same way
-    (tools/dequantize_checkpoint.py), so ids and logits must agree exactly."""
+    (tools/dequantize_checkpoint.py), so ids and logits must agree exactly, also with the dequantized weights
+    kept in float32."""
     z, _ = _golden("offline_4bit_bf16")
-    engine = LanguageEngine.load(tiny4_checkpoint, weights_dtype="bfloat16")
-    for layer in (engine.model.embed_tokens, engine.model.lm_head, engine.model.function_head):
-        assert layer.spec is None and layer.weight.dtype == mx.bfloat16
+    engine = LanguageEngine.load(tiny4_checkpoint, weights_dtype="bfloat16", float32_weights=float32_weights)
+    assert engine.model.embed_tokens.spec is None and engine.model.embed_tokens.weight.dtype == mx.bfloat16
+    for layer in (engine.model.lm_head, engine.model.function_head):
+        assert layer.spec is None and layer.weight.dtype == (mx.float32 if float32_weights else mx.bfloat16)
     _, outs = _run(engine, z["audio_embeds"], prompt="", prefix_dtype="float32")
     np.testing.assert_array_equal([o.text_id for o in outs], z["text_tokens"])
     np.testing.assert_array_equal([o.function_id for o in outs], z["function_tokens"])

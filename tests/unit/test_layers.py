@@ -75,3 +75,35 @@ def test_projections_stored_differently_stay_separate():
         assert set(weights.arrays) == set(arrays)  # nothing dropped
         for got, want in zip(projections(x), _separately(arrays, ["d.a", "d.b"], specs, x=x), strict=True):
             np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_widened_layers_compute_as_before_for_float32_and_narrow_inputs(quantized):
+    """`widen` keeps a bf16 layer's arrays in float32 (scales and biases of a quantized one): float32 inputs get
+    the very numbers the promoted bf16 arrays gave, and bf16 inputs compute with the arrays cast back, exactly
+    as the bf16 layer does (not promoted to a float32 matmul)."""
+    from services.common.layers import widen
+
+    spec = QuantSpec(bits=4, group_size=64)
+    if quantized:
+        w, scales, biases = mx.quantize(_dense(64, 128, mx.float32), group_size=64, bits=4)
+        arrays = {"e.weight": w, "e.scales": scales.astype(mx.bfloat16), "e.biases": biases.astype(mx.bfloat16),
+                  "e.bias": _dense(1, 64)[0]}
+    else:
+        arrays = {"e.weight": _dense(64, 128), "e.bias": _dense(1, 64)[0]}
+    specs = {"e": spec} if quantized else None
+    plain = Linear.from_weights(_weights(arrays, specs), "e")
+    wide = Linear.from_weights(_weights(arrays, specs), "e")
+    converted = widen(wide, mx.float32)
+    assert len(converted) == (3 if quantized else 2) and all(a.dtype == mx.float32 for a in converted)
+    assert wide.narrow == mx.bfloat16
+    assert wide.widened == (("scales", "biases", "bias") if quantized else ("weight", "bias"))
+    for dtype in (mx.float32, mx.bfloat16):
+        x = mx.array(RNG.standard_normal((3, 128)).astype(np.float32)).astype(dtype)
+        got, want = wide(x), plain(x)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    with pytest.raises(ValueError, match="widened once"):
+        wide.widened = ("weight",)
+        wide.bias = wide.bias.astype(mx.bfloat16)
+        widen(wide, mx.float32)
