@@ -5,14 +5,15 @@ All functions of weights and inputs; the per-session state (caches, key, previou
     caches = tts.backbone.make_caches()
     tts.warmup(prompt_codes, prompt_latent, pad_id, table, caches)        # prompt_codes: (1, P, Q)
     codes = tts.step(previous_code, text_id, table, caches, rng)          # (1, 1, Q) -> (1, 1, Q)
-    codes = tts.step_batch(previous_codes, text_ids, table, [caches, ...], [rng, ...])  # (S, 1, Q) -> (S, 1, Q)
+
+Several sessions' frames run as one batch through `services.tts.step.CompiledStep`, which compiles these same
+ops; `step` is the plain path of one session it is tested against.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from services.common.layers import Linear
 from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
 from services.tts.blocks import OffsetRMSNorm
 from services.tts.mog import MoGHead
-from services.tts.rng import BatchKeySequence, KeySequence, SessionKey, take_batch
+from services.tts.rng import BatchKeySequence, KeySequence, SessionKey
 from services.tts.subword import CharAwareSubwordEncoder, CharTable
 
 Caches = list[FullCache | RingCache]
@@ -152,26 +153,10 @@ class EarTts:
         inputs = self._fuse_guided(self.embed_codes(previous_code), cond)
         return self.generate_codes(self.backbone(inputs, caches), rng)
 
-    def step_batch(self, previous_codes: mx.array, text_ids: Sequence[int], table: CharTable,
-                   caches: Sequence[Caches], rngs: Sequence[SessionKey]) -> mx.array:
-        """`step` for S sessions at once: previous_codes (S, 1, Q) -> codes (S, 1, Q) int32; row i advances
-        caches[i] and rngs[i] as session i's own step would, drawing exactly its numbers."""
-        cond = self.embed_subword.embed_rows(list(text_ids), table)  # (S, 1, D)
-        null = mx.broadcast_to(self.null_emb, cond.shape).astype(cond.dtype)
-        text = mx.stack([cond, null], axis=1).reshape(-1, *cond.shape[1:])  # cond, null rows per session
-        audio = mx.repeat(self.embed_codes(previous_codes), 2, axis=0)
-        hidden = self.backbone.step_batch(self.fusion(audio, text), caches)
-        hidden = mx.concatenate([hidden[0::2], hidden[1::2]], axis=0)  # every cond row, then every uncond row
-        return self._compiled_generate_batch(hidden, take_batch(rngs, self.draws))
-
     @property
     def draws(self) -> int:
         """Random draws per frame: the keys a frame's refinement takes from a session's key."""
         return 2 * sum(1 for count in self._schedule() if count)  # a uniform and a normal per MoG call
-
-    @functools.cached_property
-    def _compiled_generate_batch(self):
-        return mx.compile(lambda hidden, keys: self.generate_codes_with(hidden, BatchKeySequence(keys)))
 
     def generate_codes(self, hidden: mx.array, rng: SessionKey) -> mx.array:
         """hidden: (2, T, D) cond/uncond -> codes (1, T, Q): masked iterative RVQ refinement.
