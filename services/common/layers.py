@@ -55,20 +55,17 @@ class Linear:
         return self.weight.shape[1] * 32 // self.spec.bits
 
     def __call__(self, x: mx.array) -> mx.array:
-        back = self.narrow is not None and x.dtype == self.narrow
-
-        def stored(name: str) -> mx.array | None:
-            value = getattr(self, name)
-            return value.astype(self.narrow) if back and name in self.widened else value
-
-        bias = stored("bias")
+        weight, bias, scales, biases = self.weight, self.bias, self.scales, self.biases
+        if self.narrow is not None and x.dtype == self.narrow:  # as stored before `widen`: cast back
+            arrays = {"weight": weight, "bias": bias, "scales": scales, "biases": biases}
+            weight, bias, scales, biases = (a.astype(self.narrow) if name in self.widened else a
+                                            for name, a in arrays.items())
         if self.spec is None:
-            weight = stored("weight")
             if bias is not None:
                 return mx.addmm(bias, x, weight.T)
             return x @ weight.T
         y = mx.quantized_matmul(
-            x, self.weight, scales=stored("scales"), biases=stored("biases"), transpose=True,
+            x, weight, scales=scales, biases=biases, transpose=True,
             group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
         )
         return y + bias if bias is not None else y
