@@ -1,7 +1,7 @@
 """One frame of EAR-TTS for S sessions (S >= 1) as compiled pieces cut at each backbone attention.
 
-The frame is the model's `step` (one session) or `step_batch` (several): code embedding and guided fusion,
-28 backbone blocks, the final norm and the masked RVQ refinement. Everything but the attention runs inside
+The frame is the model's `step` for S sessions at once: code embedding and guided fusion, 28 backbone blocks,
+the final norm and the masked RVQ refinement. Everything but the attention runs inside
 `mx.compile`d pieces, so a frame builds and dispatches 29 compiled calls and 28 attentions instead of every op
 of every block. The attention (each session's cache write, then its attention over its own keys) runs between
 the pieces, uncompiled, because a cache's key count grows every frame:
@@ -11,8 +11,8 @@ the pieces, uncompiled, because a cache's key count grows every frame:
     last:      x, attention L-1, draw keys          -> codes (S, 1, Q) and `finish(codes)`
 
 Rows 2i and 2i + 1 are session i's conditioned and unconditioned (guidance) rows. Offsets are arrays, so one
-trace per S serves every frame. The pieces run the ops of the plain path in the same order (`EarTts.step` and
-`EarTts.step_batch`): the codes and caches they give are those of the plain path, bit for bit.
+trace per S serves every frame. The pieces run the ops of the plain path in the same order (`EarTts.step`, whose
+backbone batches as `Gemma3Backbone.step_batch`): the codes and caches are those of the plain path, bit for bit.
 
     step = CompiledStep(model, finish=lambda codes: codes == 0)
     codes, extra = step(previous, text_rows, [caches_0, caches_1], keys)   # previous (S, 1, Q), keys (S, n, 2)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -29,16 +30,19 @@ import numpy as np
 from services.tts.backbone import FullCache, RingCache, stack_limit
 from services.tts.rng import BatchKeySequence
 
+if TYPE_CHECKING:
+    from services.tts.model import EarTts
+
 Caches = list[FullCache | RingCache]
 
 
 class CompiledStep:
-    """`EarTts.step_batch` (and for S = 1 `EarTts.step`) as compiled pieces; see the module docstring.
+    """`EarTts.step` of S sessions at once as compiled pieces; see the module docstring.
 
     `finish` maps the codes (S, 1, Q) to one more output computed inside the last piece (the engine's raw and
     clean codes stacked for one host read)."""
 
-    def __init__(self, model, finish: Callable[[mx.array], mx.array]):
+    def __init__(self, model: EarTts, finish: Callable[[mx.array], mx.array]):
         self.model = model
         self.layers = model.backbone.layers
         self.finish = finish
