@@ -1,7 +1,7 @@
 """Drive one network service with K concurrent sessions and report its throughput and per-frame latency.
 
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
-                            [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process]
+                            [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
@@ -215,28 +215,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-in-process", dest="in_process", action="store_false",
                         help="skip the in-process comparison (it loads the model a second time)")
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false",
+                        help="only the engine in this process: start no service, drive none")
     parser.add_argument("--metrics-url", help="the --address service's /metrics URL: report its mean batch size "
                         "(a service this bench starts is scraped anyway)")
     parser.add_argument("--weights-dtype", choices=["stored", "bfloat16"], default="stored",
                         help="llm only: the language weights' dtype, for the started service and in-process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not args.grpc and (not args.in_process or args.address):
+        parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
     config = VoiceChatConfig.load(args.model)
     child = None
     address = args.address
     dtype = None if args.weights_dtype == "stored" else args.weights_dtype
     metrics_url = args.metrics_url
+    grpc_runs = []
     try:
-        if address is None:
+        if args.grpc and address is None:
             extra = ["--metrics-port", "0", "--max-batch", str(max(args.sessions)),
                      "--precompile-batches", str(max(args.sessions))]
             extra += ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
             child = spawn_service(args.service, args.model, extra)
             wait_ready([child])
             address, metrics_url = child.address, child.metrics_url
-        load = workload(args.service, config, prompt_frames(address) if args.service == "tts" else 0)
-        grpc_runs = []
-        for k in args.sessions:
+        load = workload(args.service, config, prompt_frames(address) if args.service == "tts" else 0) \
+            if args.grpc else None
+        for k in args.sessions if args.grpc else []:
             before = batches(metrics_url)
             run = asyncio.run(drive(address, load, k, args.frames, args.warmup))
             after = batches(metrics_url)
@@ -249,14 +254,25 @@ def main(argv: list[str] | None = None) -> int:
     local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype)
              if args.in_process else {})
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
+    if not args.grpc:
+        rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]
     for row in rows:
-        if row["in_process"] is not None:
+        if row["in_process"] is not None and row["grpc"] is not None:
             row["transport_ms_p50"] = row["grpc"]["latency_p50_ms"] - row["in_process"]["latency_p50_ms"]
     report = {"service": args.service, "address": address, "frames_per_session": args.frames, "runs": rows}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{args.service} at {address}: {args.frames} frames per session after {args.warmup} warm-up")
+    where = f"at {address}" if args.grpc else "in this process"
+    print(f"{args.service} {where}: {args.frames} frames per session after {args.warmup} warm-up")
+    if not args.grpc:
+        print("| sessions | in-process frames/s | in-process p50 / p95 ms |")
+        print("| --- | --- | --- |")
+        for row in rows:
+            p = row["in_process"]
+            print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
+                  f"{p['latency_p95_ms']:.2f} |")
+        return 0
     print("| sessions | mean batch | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | "
           "in-process p50 / p95 ms | transport p50 ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

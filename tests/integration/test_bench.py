@@ -32,6 +32,33 @@ def test_service_bench_table_without_the_in_process_side(tiny_checkpoint, capsys
     assert lines[3].startswith("| 2 | ") and lines[3].endswith("| - | - | - |")
 
 
+def test_service_bench_in_process_only_starts_no_service(tiny_checkpoint, capsys, monkeypatch):
+    def no_service(*args, **kwargs):
+        raise AssertionError("--no-grpc must start no service")
+
+    monkeypatch.setattr(service, "spawn_service", no_service)
+    assert service.main(["tts", "--model", str(tiny_checkpoint), "--sessions", "1,2", "--frames", "2",
+                         "--warmup", "0", "--no-grpc"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tts in this process") and lines[1] == "| sessions | in-process frames/s | " \
+        "in-process p50 / p95 ms |"
+    assert [line.split(" | ")[0] for line in lines[3:]] == ["| 1", "| 2"]
+    with pytest.raises(SystemExit):
+        service.main(["tts", "--model", str(tiny_checkpoint), "--no-grpc", "--no-in-process"])
+
+
+def test_stage_bench_counts_kernels_per_stage(tiny_checkpoint, capsys):
+    assert stages.main(["--model", str(tiny_checkpoint), "--frames", "2", "--warmup", "1", "--count-kernels",
+                        "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for name, row in report["stages"].items():
+        kernels = row["kernels"]
+        assert kernels["mean"] > 0 and kernels["max"] >= kernels["mean"] and len(kernels["top"]) <= 5, name
+        assert not set(kernels["top"]) & stages.KernelCounter.VIEWS
+    with pytest.raises(SystemExit):
+        stages.main(["--model", str(tiny_checkpoint), "--count-kernels", "--count-syncs"])
+
+
 def test_service_bench_refuses_a_bad_session_list():
     for bad in ("0", "1,x", ""):
         with pytest.raises(SystemExit):
@@ -94,3 +121,17 @@ def test_rtf_online_reports_stages_interval_and_latency(tiny_checkpoint, capsys)
         assert summary["frames"] == 38 - 2 and summary["realtime_factor"] > 0
         assert {"perception", "language", "tts", "codec", "interval"} <= set(summary["stages"])
         assert run["first_audio_ms"] > 0 and run["peak_device_mb"] > 0
+
+
+def test_kernel_counter_counts_each_evaluated_operation_once_and_no_views():
+    import mlx.core as mx
+
+    x = mx.ones((4, 3))
+    mx.eval(x)
+    with stages.KernelCounter() as counter:
+        y = ((x + 1) * 2).reshape(3, 4).T
+        mx.eval(y)
+        mx.eval(y, y + 1)  # y is evaluated already: only the new Add counts
+    assert counter.take() == {"kernels": 3, "top": {"Add": 2, "Multiply": 1}}
+    mx.eval(x + 1)
+    assert counter.take()["kernels"] == 0  # nothing counted once uninstalled
