@@ -2,7 +2,7 @@
 
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
-                            [--weights-dtype stored|bfloat16] [--json]
+                            [--weights-dtype stored|bfloat16] [--float32-weights] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -121,7 +121,7 @@ async def drive(address: str, load: Workload, sessions: int, frames: int, warmup
 
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
-               llm_weights_dtype: str | None = None) -> dict[int, dict]:
+               llm_weights_dtype: str | None = None, float32_weights: bool = False) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path). The engine first precompiles the batch sizes up
     to the largest K, as a service this bench starts does. Returns {K: frames/s and per-step latency}."""
@@ -131,14 +131,14 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     if name == "perception":
         from services.perception.engine import PerceptionEngine
 
-        engine = PerceptionEngine.load(model)
+        engine = PerceptionEngine.load(model, float32_weights=float32_weights)
         open_one = engine.open_stream
         batch = lambda live, i: engine.push_batch([  # noqa: E731
             (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
     elif name == "llm":
         from services.llm.engine import LanguageEngine
 
-        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype)
+        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights)
         hidden = config.text_config.hidden_size
         open_one = lambda: engine.open_session("")  # noqa: E731
         batch = lambda live, i: engine.step_batch([  # noqa: E731
@@ -146,7 +146,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     elif name == "tts":
         from services.tts.engine import TTSEngine
 
-        engine = TTSEngine.load(model)
+        engine = TTSEngine.load(model, float32_weights=float32_weights)
         cb = config.tts_config.codebook_size
         prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
         open_one = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
@@ -221,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(a service this bench starts is scraped anyway)")
     parser.add_argument("--weights-dtype", choices=["stored", "bfloat16"], default="stored",
                         help="llm only: the language weights' dtype, for the started service and in-process")
+    parser.add_argument("--float32-weights", action="store_true",
+                        help="perception, llm, tts: keep in float32 what the frames' matmuls convert (the services' "
+                        "--float32-weights), for the started service and in-process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.float32_weights and args.service == "codec":
+        parser.error("--float32-weights: the codec service has no such option")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
     config = VoiceChatConfig.load(args.model)
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--metrics-port", "0", "--max-batch", str(max(args.sessions)),
                      "--precompile-batches", str(max(args.sessions))]
             extra += ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
+            extra += ["--float32-weights"] if args.float32_weights else []
             child = spawn_service(args.service, args.model, extra)
             wait_ready([child])
             address, metrics_url = child.address, child.metrics_url
@@ -251,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if child is not None:
             stop([child])
-    local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype)
-             if args.in_process else {})
+    local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
+                        args.float32_weights) if args.in_process else {})
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
     if not args.grpc:
         rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]

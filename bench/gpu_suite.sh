@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The measurements of docs/performance.md in one run, on a host whose python has MLX (its CUDA build on a GPU):
+#
+#   bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]
+#
+# MODEL_DIR (default /tmp/voicechat-full4) is generated when it has no config.json: the PRESET preset (default
+# full) at 4 bits, 2-3 minutes on a GPU host. Then, each step's output in OUT_DIR/<step>.log and its table
+# printed as it ends:
+#   warmup     a few frames of every engine: on a fresh machine the first full-model run spends minutes
+#              building MLX's CUDA kernels, which must not land in a timed step
+#   stages     per-stage cost of a sequential frame (bench.stages)
+#   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
+#              as stored, in bf16, and in bf16 with --float32-weights)
+#   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load)
+# Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
+# SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration).
+set -uo pipefail
+out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
+model=${2:-/tmp/voicechat-full4}
+preset=${PRESET:-full}
+sessions=${SESSIONS:-16}
+seconds=${AUDIO_SECONDS:-10}
+py=${PYTHON:-python3}
+serve_flags=${SERVE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME COMMAND...: run, keep the log, print its last lines
+  local name=$1
+  shift
+  echo "== $(date +%T) $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 12 "$out/$name.log"
+  [ $rc -eq 0 ] || echo "== $name failed with exit code $rc (log: $out/$name.log)"
+  return $rc
+}
+
+if [ ! -f "$model/config.json" ]; then
+  step checkpoint "$py" -m tools.make_checkpoint --out "$model" --preset "$preset" --seed 0 --bits 4 || exit 1
+fi
+step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
+step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8
+for name in perception tts codec; do
+  step "engine-$name" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" --frames 25 \
+    --warmup 5 --no-grpc
+done
+step engine-llm "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 --no-grpc
+step engine-llm-bf16 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 \
+  --no-grpc --weights-dtype bfloat16
+step engine-llm-bf16-float32 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
+  --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
+
+# live conversations: the orchestrator and its four services, then the load; every wait gives up when the
+# process it waits for has died
+port=50060
+# shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
+"$py" -m orchestrator.cli serve --model "$model" --port "$port" --no-realtime --max-sessions "$sessions" \
+  $serve_flags > "$out/serve.log" 2>&1 &
+serve=$!
+ready=0
+for _ in $(seq 1 450); do
+  if grep -q "listening on .*:$port" "$out/serve.log"; then ready=1; break; fi
+  kill -0 "$serve" 2>/dev/null || break
+  sleep 2
+done
+if [ $ready -eq 1 ]; then
+  for k in "$sessions" 1; do
+    step "live-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
+      --pace live
+  done
+else
+  echo "== orchestrator serve did not become ready:"
+  tail -n 20 "$out/serve.log"
+fi
+kill "$serve" 2>/dev/null
+wait "$serve" 2>/dev/null
+echo "== $(date +%T) done: logs in $out"
