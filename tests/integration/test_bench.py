@@ -45,6 +45,10 @@ def test_service_bench_in_process_only_starts_no_service(tiny_checkpoint, capsys
     assert [line.split(" | ")[0] for line in lines[3:]] == ["| 1", "| 2"]
     with pytest.raises(SystemExit):
         service.main(["tts", "--model", str(tiny_checkpoint), "--no-grpc", "--no-in-process"])
+    assert service.main(["llm", "--model", str(tiny_checkpoint), "--frames", "2", "--warmup", "0", "--no-grpc",
+                         "--float32-weights"]) == 0
+    with pytest.raises(SystemExit):
+        service.main(["codec", "--model", str(tiny_checkpoint), "--no-grpc", "--float32-weights"])
 
 
 def test_stage_bench_counts_kernels_per_stage(tiny_checkpoint, capsys):
