@@ -121,11 +121,12 @@ class EarTts:
     def embed_codes(self, codes: mx.array) -> mx.array:
         return self.embed_code(self.depth_sum(codes))
 
-    def _fuse_guided(self, code_embed: mx.array, cond: mx.array) -> mx.array:
-        """Batch 2 for guidance: row 0 conditioned on the text embedding `cond`, row 1 on the null embedding."""
+    def fuse_guided(self, code_embed: mx.array, cond: mx.array) -> mx.array:
+        """code_embed, cond: (S, T, D) of S sessions -> (2S, T, D) for guidance: row 2i conditioned on session i's
+        text embedding, row 2i + 1 on the null embedding, both with its code embedding."""
         null = mx.broadcast_to(self.null_emb, cond.shape).astype(cond.dtype)
-        text = mx.concatenate([cond, null], axis=0)
-        return self.fusion(mx.concatenate([code_embed, code_embed], axis=0), text)
+        text = mx.stack([cond, null], axis=1).reshape(-1, *cond.shape[1:])
+        return self.fusion(mx.repeat(code_embed, 2, axis=0), text)
 
     def warmup(self, prompt_codes: mx.array, prompt_latent: mx.array, pad_id: int, table: CharTable,
                caches: Caches) -> None:
@@ -143,14 +144,14 @@ class EarTts:
         code_embed = code_embed + bos[..., None] * self.bos_emb
         ids = mx.full((1, frames), pad_id, mx.int32)
         text_mask = position >= frames - 2
-        self.backbone(self._fuse_guided(code_embed, self.embed_subword(ids, text_mask, table)), caches)
+        self.backbone(self.fuse_guided(code_embed, self.embed_subword(ids, text_mask, table)), caches)
 
     def step(self, previous_code: mx.array, text_id: int, table: CharTable, caches: Caches,
              rng: SessionKey) -> mx.array:
         """previous_code: (1, 1, Q) -> this frame's codes (1, 1, Q) int32; advances caches and rng."""
         ids = mx.array([[text_id]], mx.int32)
         cond = self.embed_subword.embed_known(ids, [text_id], [True], table)  # the host has the id: no read
-        inputs = self._fuse_guided(self.embed_codes(previous_code), cond)
+        inputs = self.fuse_guided(self.embed_codes(previous_code), cond)
         return self.generate_codes(self.backbone(inputs, caches), rng)
 
     @property

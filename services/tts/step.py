@@ -53,11 +53,7 @@ class CompiledStep:
 
     def _first_piece(self, previous: mx.array, text: mx.array, offsets: mx.array):
         """previous codes (S, 1, Q), text rows (S, 1, D) -> x (2S, 1, D) and block 0's q, k, v."""
-        model = self.model
-        null = mx.broadcast_to(model.null_emb, text.shape).astype(text.dtype)
-        guided = mx.stack([text, null], axis=1).reshape(-1, *text.shape[1:])  # cond, null rows per session
-        audio = mx.repeat(model.embed_codes(previous), 2, axis=0)
-        x = model.fusion(audio, guided)
+        x = self.model.fuse_guided(self.model.embed_codes(previous), text)
         return (x, *self.layers[0].head(x, offsets))
 
     def _middle_piece(self, k: int, x: mx.array, attended: mx.array, offsets: mx.array):
