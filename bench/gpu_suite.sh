@@ -12,8 +12,13 @@
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
 #              as stored, in bf16, and in bf16 with --float32-weights)
 #   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load)
+#   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
+#              names a Python that has mlx-vlm and mlx-audio; once as stored and once with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
-# SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration).
+# SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
+# to run, default "warmup stages engines live rtf": a device call has 10 minutes, so a lease splits them over
+# calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default the language model in bf16
+# with float32 weights).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -22,6 +27,9 @@ sessions=${SESSIONS:-16}
 seconds=${AUDIO_SECONDS:-10}
 py=${PYTHON:-python3}
 serve_flags=${SERVE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"}
+steps=" ${STEPS:-warmup stages engines live rtf} "
+reference=${REFERENCE_PYTHON:-}
+one_flags=${ONE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags llm=--float32-weights"}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -31,7 +39,7 @@ step() {  # step NAME COMMAND...: run, keep the log, print its last lines
   echo "== $(date +%T) $name: $*"
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  tail -n 12 "$out/$name.log"
+  tail -n 40 "$out/$name.log"
   [ $rc -eq 0 ] || echo "== $name failed with exit code $rc (log: $out/$name.log)"
   return $rc
 }
@@ -39,17 +47,32 @@ step() {  # step NAME COMMAND...: run, keep the log, print its last lines
 if [ ! -f "$model/config.json" ]; then
   step checkpoint "$py" -m tools.make_checkpoint --out "$model" --preset "$preset" --seed 0 --bits 4 || exit 1
 fi
-step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
-step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8
-for name in perception tts codec; do
-  step "engine-$name" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" --frames 25 \
-    --warmup 5 --no-grpc
-done
-step engine-llm "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 --no-grpc
-step engine-llm-bf16 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 \
-  --no-grpc --weights-dtype bfloat16
-step engine-llm-bf16-float32 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
-  --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
+wants() { [[ $steps == *" $1 "* ]]; }
+
+if wants warmup; then
+  step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
+fi
+if wants stages; then
+  step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8
+fi
+if wants engines; then
+  for name in perception tts codec; do
+    step "engine-$name" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" --frames 25 \
+      --warmup 5 --no-grpc
+  done
+  step engine-llm "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 \
+    --no-grpc
+  step engine-llm-bf16 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
+    --warmup 5 --no-grpc --weights-dtype bfloat16
+  step engine-llm-bf16-float32 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
+    --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
+fi
+if wants rtf && [ -n "$reference" ]; then
+  step rtf "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --reference-python "$reference"
+  # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
+  step rtf-flags "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --ours-only $one_flags
+fi
+wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 
 # live conversations: the orchestrator and its four services, then the load; every wait gives up when the
 # process it waits for has died

@@ -2,7 +2,8 @@
 
     python -m bench.rtf offline --model DIR [--reference-python .ref/bin/python] [--lengths 10,30,60]
                                 [--repeat N] [--no-full-history] [--json]
-    python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc] [--json]
+    python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc]
+                               [--service-flags NAME=FLAGS ...] [--json]
 
 offline: one turn over the bundled question padded with silence to each length. Ours runs the engines
 in-process with persistent language caches; the reference runs its default full-history path (the language
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from bench.reference_driver import question_padded
 from orchestrator.clients import local_clients
+from orchestrator.connect import parse_service_flags, service_flags
 from orchestrator.timeline import run_offline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +83,8 @@ def print_offline(rows: list) -> None:
               f"{ratio:10.3f}")
 
 
-def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int) -> dict:
+def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int,
+                flags: dict[str, list[str]] | None = None) -> dict:
     import resource
 
     import mlx.core as mx
@@ -114,7 +117,7 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
 
     services = None
     if grpc:  # the four services as child processes, so their memory can be read before they stop
-        with launched(model) as children:
+        with launched(model, flags=flags) as children:
             clients = grpc_stream_clients({name: child.address for name, child in children.items()})
             try:
                 session = run(clients)
@@ -162,14 +165,15 @@ def reference_online(python: Path, model: Path, seconds: float, drop: int) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int) -> dict[str, dict]:
+def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int,
+                flags: dict[str, list[str]] | None = None) -> dict[str, dict]:
     """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours, after
     a short warm-up session in the same process (kernels compile on first use, on a GPU for seconds)."""
     ours_online(model, 1.0, True, False, 0)
     runs = {"ours pipelined": ours_online(model, seconds, True, False, drop),
             "ours sequential": ours_online(model, seconds, False, False, drop)}
     if grpc:
-        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop)
+        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, flags)
     if python is not None:
         runs["reference"] = reference_online(python, model, seconds, drop)
     return runs
@@ -219,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="online: input length in seconds")
     parser.add_argument("--grpc", action="store_true", help="online: also run ours over gRPC child services")
     parser.add_argument("--drop", type=int, default=5, help="online: cold frames left out of the statistics")
+    parser.add_argument("--service-flags", type=parse_service_flags, action="append", metavar="NAME=FLAGS",
+                        help="online --grpc: extra flags for a service (NAME: perception, llm, tts, codec or all; "
+                             "repeatable), e.g. --service-flags llm='--weights-dtype bfloat16 --float32-weights'")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     lengths = [float(x) for x in args.lengths.split(",") if x.strip()]
     python = None if args.ours_only else args.reference_python
     if args.mode == "online":
-        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop)
+        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop, service_flags(args.service_flags))
         if args.json:
             print(json.dumps({"mode": "online", "runs": runs}, indent=2))
         else:
