@@ -13,10 +13,11 @@
 #              as stored, in bf16, and in bf16 with --float32-weights)
 #   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load)
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
-#              names a Python that has mlx-vlm and mlx-audio; once as stored and once with ONE_FLAGS
+#              names a Python that has mlx-vlm and mlx-audio
+#   rtf-flags  one session of ours again, its services started with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
-# to run, default "warmup stages engines live rtf": a device call has 10 minutes, so a lease splits them over
+# to run, default "warmup stages engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
 # calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default the language model in bf16
 # with float32 weights).
 set -uo pipefail
@@ -27,7 +28,7 @@ sessions=${SESSIONS:-16}
 seconds=${AUDIO_SECONDS:-10}
 py=${PYTHON:-python3}
 serve_flags=${SERVE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"}
-steps=" ${STEPS:-warmup stages engines live rtf} "
+steps=" ${STEPS:-warmup stages engines rtf rtf-flags live} "
 reference=${REFERENCE_PYTHON:-}
 one_flags=${ONE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags llm=--float32-weights"}
 mkdir -p "$out"
@@ -69,6 +70,8 @@ if wants engines; then
 fi
 if wants rtf && [ -n "$reference" ]; then
   step rtf "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --reference-python "$reference"
+fi
+if wants rtf-flags; then
   # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
   step rtf-flags "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --ours-only $one_flags
 fi
