@@ -11,7 +11,8 @@
 #   stages     per-stage cost of a sequential frame (bench.stages)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
 #              as stored, in bf16, and in bf16 with --float32-weights)
-#   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load)
+#   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load); after each, every
+#              service's batch sizes and memory from its /metrics (ports 9101-9104)
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
@@ -19,7 +20,8 @@
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
 # to run, default "warmup stages engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
 # calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default the language model in bf16
-# with float32 weights).
+# with float32 weights), MPS (1: the four processes' kernels share the GPU through an MPS daemon started for
+# this run and stopped after; no device setting changes).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -27,7 +29,9 @@ preset=${PRESET:-full}
 sessions=${SESSIONS:-16}
 seconds=${AUDIO_SECONDS:-10}
 py=${PYTHON:-python3}
-serve_flags=${SERVE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"}
+batched="--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"
+for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
+serve_flags=${SERVE_FLAGS:-$batched}
 steps=" ${STEPS:-warmup stages engines rtf rtf-flags live} "
 reference=${REFERENCE_PYTHON:-}
 one_flags=${ONE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags llm=--float32-weights"}
@@ -49,6 +53,13 @@ if [ ! -f "$model/config.json" ]; then
   step checkpoint "$py" -m tools.make_checkpoint --out "$model" --preset "$preset" --seed 0 --bits 4 || exit 1
 fi
 wants() { [[ $steps == *" $1 "* ]]; }
+
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "== MPS daemon started"
+  trap 'echo quit | nvidia-cuda-mps-control; echo "== MPS daemon stopped"' EXIT
+fi
 
 if wants warmup; then
   step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
@@ -80,6 +91,15 @@ wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 # live conversations: the orchestrator and its four services, then the load; every wait gives up when the
 # process it waits for has died
 port=50060
+metrics=(perception=9101 llm=9102 tts=9103 codec=9104)
+for entry in "${metrics[@]}"; do serve_flags="$serve_flags --service-flags ${entry%=*}=--metrics-port=${entry#*=}"; done
+scrape() {  # scrape NAME: each service's batch-size histogram totals and memory gauges, kept and printed
+  for entry in "${metrics[@]}"; do
+    "$py" -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
+      "http://127.0.0.1:${entry#*=}/metrics"
+  done > "$out/$1.metrics" 2>&1
+  grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
+}
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 "$py" -m orchestrator.cli serve --model "$model" --port "$port" --no-realtime --max-sessions "$sessions" \
   $serve_flags > "$out/serve.log" 2>&1 &
@@ -94,6 +114,7 @@ if [ $ready -eq 1 ]; then
   for k in "$sessions" 1; do
     step "live-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
       --pace live
+    scrape "live-$k"
   done
 else
   echo "== orchestrator serve did not become ready:"
