@@ -9,6 +9,9 @@
 #   warmup     a few frames of every engine: on a fresh machine the first full-model run spends minutes
 #              building MLX's CUDA kernels, which must not land in a timed step
 #   stages     per-stage cost of a sequential frame (bench.stages)
+#   sweep      the stages again under each of SWEEP's MLX settings (';'-separated sets of VAR=VALUE): how MLX's
+#              CUDA backend groups a frame's kernels into graphs (MLX_MAX_OPS_PER_BUFFER, default 20 a graph;
+#              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
 #              as stored, in bf16, and in bf16 with --float32-weights)
 #   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load); after each, every
@@ -18,10 +21,11 @@
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
-# to run, default "warmup stages engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
+# to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
 # calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default the language model in bf16
 # with float32 weights), MPS (1: the four processes' kernels share the GPU through an MPS daemon started for
-# this run and stopped after; no device setting changes).
+# this run and stopped after; no device setting changes). MLX settings exported before the suite apply to every
+# step (the services it starts inherit them).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -32,7 +36,8 @@ py=${PYTHON:-python3}
 batched="--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags=${SERVE_FLAGS:-$batched}
-steps=" ${STEPS:-warmup stages engines rtf rtf-flags live} "
+steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
+sweep=${SWEEP:-"MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
 reference=${REFERENCE_PYTHON:-}
 one_flags=${ONE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags llm=--float32-weights"}
 mkdir -p "$out"
@@ -66,6 +71,14 @@ if wants warmup; then
 fi
 if wants stages; then
   step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8
+fi
+if wants sweep; then
+  IFS=';' read -ra settings <<< "$sweep"
+  for i in "${!settings[@]}"; do
+    echo "== sweep $i: ${settings[$i]}"
+    # shellcheck disable=SC2086  # each setting is a list of VAR=VALUE words
+    step "sweep-$i" env ${settings[$i]} "$py" -m bench.stages --model "$model" --frames 30 --warmup 6
+  done
 fi
 if wants engines; then
   for name in perception tts codec; do
