@@ -8,7 +8,7 @@
 # printed as it ends:
 #   warmup     a few frames of every engine: on a fresh machine the first full-model run spends minutes
 #              building MLX's CUDA kernels, which must not land in a timed step
-#   stages     per-stage cost of a sequential frame (bench.stages)
+#   stages     per-stage cost of a sequential frame, split inside and outside evaluations (bench.stages)
 #   sweep      the stages again under each of SWEEP's MLX settings (';'-separated sets of VAR=VALUE): how MLX's
 #              CUDA backend groups a frame's kernels into graphs (MLX_MAX_OPS_PER_BUFFER, default 20 a graph;
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
@@ -22,8 +22,8 @@
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
 # to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
-# calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default the language model in bf16
-# with float32 weights), MPS (1: the four processes' kernels share the GPU through an MPS daemon started for
+# calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32 weights in the
+# language model, perception and speech), MPS (1: the four processes' kernels share the GPU through an MPS daemon started for
 # this run and stopped after; no device setting changes). MLX settings exported before the suite apply to every
 # step (the services it starts inherit them).
 set -uo pipefail
@@ -39,7 +39,10 @@ serve_flags=${SERVE_FLAGS:-$batched}
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
 sweep=${SWEEP:-"MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
 reference=${REFERENCE_PYTHON:-}
-one_flags=${ONE_FLAGS:-"--service-flags llm=--weights-dtype=bfloat16 --service-flags llm=--float32-weights"}
+rtf_flags="--service-flags perception=--precompile-batches=1"  # its full-cache step traced before frame 70
+one_flags=$rtf_flags
+for name in llm perception tts; do one_flags="$one_flags --service-flags $name=--float32-weights"; done
+one_flags=${ONE_FLAGS:-$one_flags}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -70,14 +73,14 @@ if wants warmup; then
   step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
 fi
 if wants stages; then
-  step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8
+  step stages "$py" -m bench.stages --model "$model" --frames 40 --warmup 8 --split-eval
 fi
 if wants sweep; then
   IFS=';' read -ra settings <<< "$sweep"
   for i in "${!settings[@]}"; do
     echo "== sweep $i: ${settings[$i]}"
     # shellcheck disable=SC2086  # each setting is a list of VAR=VALUE words
-    step "sweep-$i" env ${settings[$i]} "$py" -m bench.stages --model "$model" --frames 30 --warmup 6
+    step "sweep-$i" env ${settings[$i]} "$py" -m bench.stages --model "$model" --frames 30 --warmup 6 --split-eval
   done
 fi
 if wants engines; then
@@ -93,7 +96,9 @@ if wants engines; then
     --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
 fi
 if wants rtf && [ -n "$reference" ]; then
-  step rtf "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --reference-python "$reference"
+  # shellcheck disable=SC2086  # a list of flags
+  step rtf "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --reference-python "$reference" \
+    $rtf_flags
 fi
 if wants rtf-flags; then
   # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags

@@ -1,6 +1,7 @@
 """Per-stage cost of one 80 ms frame, each network's engine called in this process.
 
-    python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs] [--count-kernels] [--json]
+    python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs | --count-kernels | --split-eval]
+                           [--json]
 
 Drives each engine's streaming path the way an online session does (perception push of 1280 samples, one
 language step, one speech step, one codec frame decode) on the bundled question plus silence, one stage at a
@@ -9,8 +10,9 @@ sequential frame loop. Each timing ends after the stage's outputs are evaluated.
 
 `--count-syncs` also counts each stage's host synchronisations per frame (see `SyncCounter`); the counting
 wrappers cost a little Python time, so compare timings only between runs that both count or both don't.
-`--count-kernels` counts the operations each stage's `mx.eval` calls run per frame (see `KernelCounter`); it
-writes every graph out, so its timings are not worth reading.
+`--split-eval` splits each stage's time into the part inside evaluations and host reads and the rest (see
+`EvalTimer`). `--count-kernels` counts the operations each stage's `mx.eval` calls run per frame (see
+`KernelCounter`); it writes every graph out, so its timings are not worth reading.
 """
 
 from __future__ import annotations
@@ -39,7 +41,33 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAME_MS = 80.0
 
 
-class SyncCounter:
+class _Patches:
+    """Functions wrapped while installed (`with ...:`), the originals put back on exit."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner: object, name: str, wrapper) -> None:
+        """Replace owner.name by wrapper(original)."""
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, wrapper(original))
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+# the host reads of an array's value: each evaluates what no earlier evaluation covered, and waits for it
+READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _is_read(args: tuple, only_mlx: bool) -> bool:
+    return not only_mlx or bool(args and isinstance(args[0], mx.array))
+
+
+class SyncCounter(_Patches):
     """Counts the host synchronisations made while it is installed (`with SyncCounter() as counter:`).
 
     `eval` counts `mx.eval` calls; `read` counts host reads of an array's value (`item`, `tolist`, `int`,
@@ -48,35 +76,29 @@ class SyncCounter:
     copies. `counts` holds the totals by name (`eval`, `item`, `tolist`, `__int__`, ..., `numpy`).
     """
 
-    READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+    READS = READS
 
     def __init__(self) -> None:
+        super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
-        self._saved: list[tuple[object, str, object]] = []
 
-    def _wrap(self, owner: object, name: str, kind: str, only_mlx: bool = False) -> None:
-        original = getattr(owner, name)
+    def _count(self, owner: object, name: str, kind: str, only_mlx: bool = False) -> None:
+        def wrapper(original):
+            def counted(*args, **kwargs):
+                if _is_read(args, only_mlx):
+                    self.counts[kind] += 1
+                return original(*args, **kwargs)
+            return counted
 
-        def counted(*args, **kwargs):
-            if not only_mlx or (args and isinstance(args[0], mx.array)):
-                self.counts[kind] += 1
-            return original(*args, **kwargs)
-
-        self._saved.append((owner, name, original))
-        setattr(owner, name, counted)
+        self._wrap(owner, name, wrapper)
 
     def __enter__(self) -> SyncCounter:
-        self._wrap(mx, "eval", "eval")
+        self._count(mx, "eval", "eval")
         for name in self.READS:
-            self._wrap(mx.array, name, name)
+            self._count(mx.array, name, name)
         for name in ("array", "asarray"):
-            self._wrap(np, name, "numpy", only_mlx=True)
+            self._count(np, name, "numpy", only_mlx=True)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
 
     def take(self) -> dict[str, int]:
         """The counts since the last take: {"eval": n, "read": m, "total": n + m}, then reset."""
@@ -84,6 +106,49 @@ class SyncCounter:
         reads = sum(n for kind, n in self.counts.items() if kind != "eval")
         self.counts.clear()
         return {"eval": evals, "read": reads, "total": evals + reads}
+
+
+class EvalTimer(_Patches):
+    """Splits a stage's time while it is installed (`with EvalTimer() as timer:`): the time spent inside
+    `mx.eval`, `mx.async_eval` and host reads of array values (on a GPU: MLX encoding and launching the
+    kernels, then waiting for them) against the rest (Python building the graph, and the engine's own host
+    work). A stage whose time is mostly outside is bound by Python; mostly inside, by MLX's dispatch or the
+    device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside_s = 0.0
+        self._depth = 0
+
+    def _time(self, owner: object, name: str, only_mlx: bool = False) -> None:
+        def wrapper(original):
+            def timed(*args, **kwargs):
+                if self._depth or not _is_read(args, only_mlx):
+                    return original(*args, **kwargs)
+                self._depth += 1
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.inside_s += time.perf_counter() - start
+                    self._depth -= 1
+            return timed
+
+        self._wrap(owner, name, wrapper)
+
+    def __enter__(self) -> EvalTimer:
+        self._time(mx, "eval")
+        self._time(mx, "async_eval")
+        for name in READS:
+            self._time(mx.array, name)
+        for name in ("array", "asarray"):
+            self._time(np, name, only_mlx=True)
+        return self
+
+    def take(self) -> dict[str, float]:
+        """{"inside_ms": ...} since the last take, then reset."""
+        inside, self.inside_s = self.inside_s * 1000.0, 0.0
+        return {"inside_ms": inside}
 
 
 class KernelCounter:
@@ -156,7 +221,8 @@ def frames_of(frames: int) -> np.ndarray:
     return total.reshape(frames, 1280)
 
 
-def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_kernels: bool = False) -> dict:
+def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_kernels: bool = False,
+        split_eval: bool = False) -> dict:
     t0 = time.perf_counter()
     perception, language = PerceptionEngine.load(model), LanguageEngine.load(model)
     speech, codec = TTSEngine.load(model), CodecEngine.load(model)
@@ -168,9 +234,9 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_
     decoder = codec.open_stream()
     times: dict[str, list[float]] = {"perception": [], "language": [], "tts": [], "codec": []}
     syncs: dict[str, list[dict[str, int]]] = {name: [] for name in times}
-    counter = KernelCounter() if count_kernels else SyncCounter()
+    counter = KernelCounter() if count_kernels else EvalTimer() if split_eval else SyncCounter()
     for index, chunk in enumerate(audio):
-        counted = (count_syncs or count_kernels) and index >= warmup
+        counted = (count_syncs or count_kernels or split_eval) and index >= warmup
         with counter if counted else contextlib.nullcontext():
             marks, counts = [time.perf_counter()], []
             frame = stream.push(chunk)
@@ -200,6 +266,11 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_
             stages[name]["kernels"] = {"mean": statistics.fmean(row["kernels"] for row in rows),
                                        "max": max(row["kernels"] for row in rows),
                                        "top": [name for name, _ in top.most_common(5)]}
+    elif split_eval:
+        for name, rows in syncs.items():
+            inside = [row["inside_ms"] for row in rows]
+            stages[name]["inside_eval"] = summarize(inside)
+            stages[name]["outside_eval"] = summarize([t - i for t, i in zip(times[name], inside, strict=True)])
     elif count_syncs:
         for name, rows in syncs.items():
             stages[name]["syncs"] = {
@@ -228,11 +299,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also count each stage's host synchronisations per frame (mx.eval calls, host reads)")
     parser.add_argument("--count-kernels", action="store_true",
                         help="count the operations each stage's evaluations run per frame (views left out)")
+    parser.add_argument("--split-eval", action="store_true",
+                        help="split each stage's time into inside evaluations and host reads (MLX dispatch and "
+                             "device waits) and outside them (Python building the graph)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.count_syncs and args.count_kernels:
-        parser.error("--count-syncs and --count-kernels: choose one (each wraps mx.eval)")
-    report = run(args.model, args.frames, args.warmup, args.count_syncs, args.count_kernels)
+    if args.count_syncs + args.count_kernels + args.split_eval > 1:
+        parser.error("--count-syncs, --count-kernels and --split-eval: choose one (each wraps mx.eval)")
+    report = run(args.model, args.frames, args.warmup, args.count_syncs, args.count_kernels, args.split_eval)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -244,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             s = row["syncs"]
             line += (f"   syncs/frame {s['total']['mean']:5.2f} (max {s['total']['max']}): "
                      f"eval {s['eval']['mean']:.2f}, read {s['read']['mean']:.2f}")
+        if "inside_eval" in row:
+            line += (f"   inside eval p50 {row['inside_eval']['p50_ms']:7.2f} ms, outside "
+                     f"{row['outside_eval']['p50_ms']:7.2f} ms")
         if "kernels" in row:
             k = row["kernels"]
             line += f"   kernels/frame {k['mean']:7.1f} (max {k['max']}): {', '.join(k['top'])}"

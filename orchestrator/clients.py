@@ -16,6 +16,7 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
+from orchestrator.pending import Pending
 from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo
 from protos.voicechat.v1 import (
     codec_pb2,
@@ -127,11 +128,14 @@ class Channel:
 
 
 class BidiStream:
-    """A bidirectional stream used as request/response pairs: `call(message)` sends one and waits for one.
+    """A bidirectional stream used as request/response pairs: `call(message)` sends one and waits for one;
+    `send(message)` sends one and returns its Pending answer, so a caller may send the next request before the
+    last answer is back (the service then starts on it with no round trip in between).
 
-    Every call has a deadline (the channel's `Deadlines`: `open_s` for the first message, `frame_s` after);
-    a service that does not answer in time, or whose stream breaks, raises a ServiceError naming it, and the
-    stream is then closed for good (a late answer can never be taken for the next call's).
+    Every answer has a deadline (the channel's `Deadlines`: `open_s` for the first, `frame_s` after, counted
+    from when the caller starts waiting for it); a service that does not answer in time, or whose stream
+    breaks, raises a ServiceError naming it, and the stream is then closed for good (a late answer can never be
+    taken for the next request's).
     """
 
     _END = object()
@@ -142,8 +146,8 @@ class BidiStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = getattr(channel.stub, method)(iter(self._requests.get, self._END))
-        self._lock = threading.Lock()
-        self._calls = 0
+        self._lock = threading.Lock()  # one taker of answers at a time
+        self._answers = 0
         self._broken: ServiceError | None = None
         threading.Thread(target=self._read, name=f"{channel.name}-replies", daemon=True).start()
 
@@ -156,13 +160,22 @@ class BidiStream:
             self._replies.put(exc)
 
     def call(self, message):
+        return self.send(message).result()
+
+    def send(self, message) -> Pending:
+        """Send one request; its answer comes from the returned Pending, after those of earlier requests."""
+        if self._broken is not None:
+            raise self._broken
+        self._requests.put(message)
+        return Pending(self._receive)
+
+    def _receive(self):
         name, address = self.channel.name, self.channel.address
         with self._lock:
             if self._broken is not None:
                 raise self._broken
-            timeout = self.channel.deadlines.open_s if self._calls == 0 else self.channel.deadlines.frame_s
-            self._calls += 1
-            self._requests.put(message)
+            timeout = self.channel.deadlines.open_s if self._answers == 0 else self.channel.deadlines.frame_s
+            self._answers += 1
             try:
                 reply = self._replies.get(timeout=timeout)
             except queue.Empty:
@@ -208,10 +221,13 @@ class GrpcLanguageSession:
     frame: int = 0
 
     def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
-        reply = self.stream.call(language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(
+        return self.send_step(audio_embedding).result()
+
+    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
+        pending = self.stream.send(language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(
             frame_index=self.frame, audio_embedding=to_proto_np(audio_embedding))))
         self.frame += 1
-        return reply.step.text_token_id, reply.step.function_token_id
+        return pending.then(lambda reply: (reply.step.text_token_id, reply.step.function_token_id))
 
     def close(self) -> None:
         self.stream.close()
@@ -239,10 +255,13 @@ class GrpcSpeechSession:
     frame: int = 0
 
     def step(self, text_id: int) -> np.ndarray:
-        reply = self.stream.call(speech_pb2.SpeechStreamRequest(step=speech_pb2.SpeechStep(
+        return self.send_step(text_id).result()
+
+    def send_step(self, text_id: int) -> Pending[np.ndarray]:
+        pending = self.stream.send(speech_pb2.SpeechStreamRequest(step=speech_pb2.SpeechStep(
             frame_index=self.frame, text_token_id=text_id)))
         self.frame += 1
-        return from_proto_np(reply.step.codes)
+        return pending.then(lambda reply: from_proto_np(reply.step.codes))
 
     def close(self) -> None:
         self.stream.close()
@@ -317,6 +336,9 @@ class LocalLanguageSession:
         out = self.session.step(mx.array(audio_embedding))
         return out.text_id, out.function_id
 
+    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
+        return Pending.answered(self.step(audio_embedding))
+
     def close(self) -> None:
         self.engine.close_session(self.session)
 
@@ -338,6 +360,9 @@ class LocalSpeechSession:
 
     def step(self, text_id: int) -> np.ndarray:
         return self.session.step(text_id)[0]
+
+    def send_step(self, text_id: int) -> Pending[np.ndarray]:
+        return Pending.answered(self.step(text_id))
 
     def close(self) -> None:
         pass

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.pending import Pending
 from orchestrator.profile import Clock, FrameTiming, MonotonicClock, Profile
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
 from orchestrator.text import TextDecoder, TokenAccumulator
@@ -269,33 +270,46 @@ class OnlineSession:
         self.close()
 
     # ------------------------------------------------------------------------------------------- stages
+    # Each stage is a pair: `send` hands the frame's request to the stage's service (a Pending answer), `take`
+    # stores the answer in the frame. The pipelined mode sends a frame's request as soon as the frame reaches
+    # the stage, up to SEND_AHEAD frames before their answers are taken, so the service has its next request
+    # when it finishes one: no round trip between a stage's frames.
 
-    def _perceive(self, f: _Frame) -> None:
-        f.started = start = self.clock.now()
-        f.perceived = self.perception.push(f.samples)
-        f.ms["perception"] = (self.clock.now() - start) * 1000.0
+    def _send_perception(self, f: _Frame) -> Pending:
+        return self.perception.send_push(f.samples)
 
-    def _language(self, f: _Frame) -> None:
-        start = self.clock.now()
-        f.text_id, f.function_id = (int(i) for i in self.language.step(f.perceived.audio_embedding))
-        f.ms["language"] = (self.clock.now() - start) * 1000.0
+    def _take_perception(self, f: _Frame, perceived: PerceivedFrame) -> None:
+        f.perceived = perceived
 
-    def _speak(self, f: _Frame) -> None:
-        start = self.clock.now()
+    def _send_language(self, f: _Frame) -> Pending:
+        return self.language.send_step(f.perceived.audio_embedding)
+
+    def _take_language(self, f: _Frame, ids: tuple[int, int]) -> None:
+        f.text_id, f.function_id = (int(i) for i in ids)
+
+    def _send_speech(self, f: _Frame) -> Pending:
         if self.prompt_positions + f.index == 0:  # the first timeline position: codec silence, no speech step
-            f.raw = self._silence.copy()
-        else:
-            f.raw = np.asarray(self.speech.step(f.text_id), np.int32)
-        f.clean = replace_control_codes(f.raw[None], self.info)[0]
-        f.ms["tts"] = (self.clock.now() - start) * 1000.0
+            return Pending.answered(self._silence.copy())
+        return self.speech.send_step(f.text_id)
 
-    def _decode(self, f: _Frame) -> None:
-        start = self.clock.now()
-        f.audio = self.codec.decode(f.clean)
-        f.ms["codec"] = (self.clock.now() - start) * 1000.0
+    def _take_speech(self, f: _Frame, raw: np.ndarray) -> None:
+        f.raw = np.asarray(raw, np.int32)
+        f.clean = replace_control_codes(f.raw[None], self.info)[0]
+
+    def _send_codec(self, f: _Frame) -> Pending:
+        return self.codec.send_decode(f.clean)
+
+    def _take_codec(self, f: _Frame, audio: np.ndarray) -> None:
+        f.audio = audio
         self._finish(f)
 
-    STAGES = ("_perceive", "_language", "_speak", "_decode")
+    # (profile name, send, take); a frame's time in a stage runs from when the service could start on it (its
+    # request sent and the stage's previous answer back) to its answer
+    STAGES = (("perception", "_send_perception", "_take_perception"),
+              ("language", "_send_language", "_take_language"),
+              ("tts", "_send_speech", "_take_speech"),
+              ("codec", "_send_codec", "_take_codec"))
+    SEND_AHEAD = 2  # frames a stage may have sent and not yet answered
 
     def _finish(self, f: _Frame) -> None:
         """The frame's events, in the reference's order; runs in frame order (last stage, one thread)."""
@@ -343,40 +357,84 @@ class OnlineSession:
             self._inboxes[0].put(f)
             return
         try:
-            for name in self.STAGES:
-                getattr(self, name)(f)
+            for name, send, take in self.STAGES:
+                start = self.clock.now()
+                if name == "perception":
+                    f.started = start
+                answer = getattr(self, send)(f).result()
+                f.ms[name] = (self.clock.now() - start) * 1000.0
+                getattr(self, take)(f, answer)
         except BaseException as exc:
             self._fail(exc, f.index)
             self.close()  # a failed stage leaves the timeline broken: free every service session now
             raise
 
     def _start_workers(self) -> None:
+        """Two threads a stage: one sends each frame's request as the frame arrives, one takes the answers in
+        order and hands the frame on."""
         self._inboxes = [queue.SimpleQueue() for _ in self.STAGES]
-        for i, name in enumerate(self.STAGES):
+        for i, (name, send, take) in enumerate(self.STAGES):
+            sent: queue.SimpleQueue = queue.SimpleQueue()
+            room = threading.Semaphore(self.SEND_AHEAD)
             outbox = self._inboxes[i + 1] if i + 1 < len(self.STAGES) else None
-            thread = threading.Thread(target=self._work, args=(getattr(self, name), self._inboxes[i], outbox),
-                                      name=f"session{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            for target, args in ((self._send_work, (name, getattr(self, send), self._inboxes[i], sent, room)),
+                                 (self._take_work, (name, getattr(self, take), sent, room, outbox))):
+                thread = threading.Thread(target=target, args=args, name=f"session-{name}{target.__name__}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
-    def _work(self, stage, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue | None) -> None:
+    def _send_work(self, name: str, send, inbox: queue.SimpleQueue, sent: queue.SimpleQueue,
+                   room: threading.Semaphore) -> None:
         while True:
             item = inbox.get()
+            if item is _STOP or isinstance(item, _Failure):  # a failure is reported after the frames before it
+                sent.put((item, None, 0.0))
+                if item is _STOP:
+                    return
+                continue
+            if self._cancelled.is_set() or (self._failed_at is not None and item.index >= self._failed_at):
+                continue  # drain without work until the stop marker comes through; earlier frames finish
+            room.acquire()
+            now = self.clock.now()
+            if name == "perception":
+                item.started = now
+            try:
+                pending = send(item)
+            except BaseException as exc:  # noqa: BLE001 - reported to the driving thread
+                room.release()
+                self._fail(exc, item.index)
+                sent.put((_Failure(exc, item.index), None, 0.0))
+                continue
+            sent.put((item, pending, now))
+
+    def _take_work(self, name: str, take, sent: queue.SimpleQueue, room: threading.Semaphore,
+                   outbox: queue.SimpleQueue | None) -> None:
+        last_answer = 0.0
+        while True:
+            item, pending, sent_at = sent.get()
             if item is _STOP:
                 if outbox is not None:
                     outbox.put(_STOP)
                 return
-            if isinstance(item, _Failure):  # reported by the last stage, after the frames before it
+            if isinstance(item, _Failure):
                 self._forward_failure(item, outbox)
                 continue
             if self._cancelled.is_set() or (self._failed_at is not None and item.index >= self._failed_at):
-                continue  # drain without work until the stop marker comes through; earlier frames finish
+                room.release()  # the session is ending: its streams are not read again
+                continue
             try:
-                stage(item)
+                answer = pending.result()
+                now = self.clock.now()
+                item.ms[name] = (now - max(sent_at, last_answer)) * 1000.0
+                last_answer = now
+                take(item, answer)
             except BaseException as exc:  # noqa: BLE001 - reported to the driving thread
                 self._fail(exc, item.index)
                 self._forward_failure(_Failure(exc, item.index), outbox)
                 continue
+            finally:
+                room.release()
             if outbox is not None:
                 outbox.put(item)
 

@@ -31,6 +31,7 @@ from orchestrator.clients import (
     LocalLanguageSession,
     LocalSpeech,
 )
+from orchestrator.pending import Pending
 from orchestrator.timeline import LanguageClient, SpeechClient, SpeechInfo
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, language_pb2, perception_pb2, perception_pb2_grpc
 from services.common.engine_thread import EngineThread
@@ -49,6 +50,8 @@ class PerceivedFrame:
 class PerceptionStream(Protocol):
     def push(self, frame: np.ndarray) -> PerceivedFrame: ...
 
+    def send_push(self, frame: np.ndarray) -> Pending[PerceivedFrame]: ...
+
     def close(self) -> None: ...
 
 
@@ -58,6 +61,8 @@ class PerceptionStreamClient(Protocol):
 
 class CodecStream(Protocol):
     def decode(self, codes: np.ndarray) -> np.ndarray: ...  # (Q,) int32 clean codes -> (1764,) float32
+
+    def send_decode(self, codes: np.ndarray) -> Pending[np.ndarray]: ...
 
     def close(self) -> None: ...
 
@@ -97,15 +102,22 @@ class GrpcPerceptionStream:
             raise
 
     def push(self, frame: np.ndarray) -> PerceivedFrame:
-        reply = self.stream.call(perception_pb2.PerceptionStreamRequest(frame=perception_pb2.PerceptionFrameInput(
+        return self.send_push(frame).result()
+
+    def send_push(self, frame: np.ndarray) -> Pending[PerceivedFrame]:
+        pending = self.stream.send(perception_pb2.PerceptionStreamRequest(frame=perception_pb2.PerceptionFrameInput(
             frame_index=self.frame, samples=to_proto_np(frame.astype(np.float32)))))
         self.frame += 1
-        out = reply.frame
-        return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
-                              out.transcript_delta, out.transcript, list(out.token_ids))
+        return pending.then(_perceived)
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _perceived(reply: perception_pb2.PerceptionStreamResponse) -> PerceivedFrame:
+    out = reply.frame
+    return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
+                          out.transcript_delta, out.transcript, list(out.token_ids))
 
 
 class GrpcPerceptionStreams:
@@ -128,10 +140,13 @@ class GrpcCodecStream:
             raise
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
-        reply = self.stream.call(codec_pb2.CodecDecodeStreamRequest(frame=codec_pb2.CodecDecodeFrameInput(
+        return self.send_decode(codes).result()
+
+    def send_decode(self, codes: np.ndarray) -> Pending[np.ndarray]:
+        pending = self.stream.send(codec_pb2.CodecDecodeStreamRequest(frame=codec_pb2.CodecDecodeFrameInput(
             frame_index=self.frame, codes=to_proto_np(codes.astype(np.int32)))))
         self.frame += 1
-        return from_proto_np(reply.frame.samples)
+        return pending.then(lambda reply: from_proto_np(reply.frame.samples))
 
     def close(self) -> None:
         self.stream.close()
@@ -162,13 +177,17 @@ def grpc_stream_clients(addresses: dict[str, str], deadlines: Deadlines | None =
 
 
 class _OnThread:
-    """Calls an object's methods on one EngineThread (results are numpy, evaluated there)."""
+    """Calls an object's methods on one EngineThread (results are numpy, evaluated there): `call` waits for
+    the result, `send` queues the call and returns its Pending result (the thread runs calls in order)."""
 
     def __init__(self, thread: EngineThread):
         self.thread = thread
 
     def call(self, fn, *args):
         return self.thread.submit_sync(fn, *args)
+
+    def send(self, fn, *args) -> Pending:
+        return Pending(self.thread.submit(fn, *args).result)
 
 
 class LocalPerceptionStream(_OnThread):
@@ -177,12 +196,17 @@ class LocalPerceptionStream(_OnThread):
         self.stream = self.call(engine.open_stream)
 
     def push(self, frame: np.ndarray) -> PerceivedFrame:
+        return self.send_push(frame).result()
+
+    def send_push(self, frame: np.ndarray) -> Pending[PerceivedFrame]:
+        stream = self.stream
+
         def run() -> PerceivedFrame:
-            out = self.stream.push(frame.astype(np.float32))
+            out = stream.push(frame.astype(np.float32))
             return PerceivedFrame(np.array(out.audio_embedding), np.array(out.encoder_out), out.transcript_delta,
                                   out.transcript, list(out.token_ids))
 
-        return self.call(run)
+        return self.send(run)
 
     def close(self) -> None:
         self.stream = None
@@ -206,6 +230,9 @@ class _ThreadedLanguageSession(_OnThread):
 
     def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
         return self.call(self.session.step, audio_embedding)
+
+    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
+        return self.send(self.session.step, audio_embedding)
 
     def close(self) -> None:
         self.call(self.session.close)
@@ -232,7 +259,11 @@ class _ThreadedSpeechSession(_OnThread):
         self.session = session
 
     def step(self, text_id: int) -> np.ndarray:
-        return self.call(lambda: self.session.step(text_id)[0])
+        return self.send_step(text_id).result()
+
+    def send_step(self, text_id: int) -> Pending[np.ndarray]:
+        session = self.session
+        return self.send(lambda: session.step(text_id)[0])
 
     def close(self) -> None:
         self.session = None
@@ -258,9 +289,12 @@ class LocalCodecStream(_OnThread):
         self.frame = 0
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
-        samples = self.call(self.stream.decode_frame, self.frame, codes)
+        return self.send_decode(codes).result()
+
+    def send_decode(self, codes: np.ndarray) -> Pending[np.ndarray]:
+        pending = self.send(self.stream.decode_frame, self.frame, codes)
         self.frame += 1
-        return samples
+        return pending
 
     def close(self) -> None:
         self.stream = None

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from orchestrator.pending import Pending
 
 
 @dataclass
@@ -45,6 +48,9 @@ class LanguageSession(Protocol):
 
     def step(self, audio_embedding: np.ndarray) -> tuple[int, int]: ...
 
+    # the step sent, its answer taken later (a stream may have the next step sent before this one's answer)
+    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]: ...
+
     def close(self) -> None: ...
 
 
@@ -54,6 +60,8 @@ class LanguageClient(Protocol):
 
 class SpeechSession(Protocol):
     def step(self, text_id: int) -> np.ndarray: ...  # (Q,) int32 raw codes
+
+    def send_step(self, text_id: int) -> Pending[np.ndarray]: ...
 
     def close(self) -> None: ...
 

@@ -22,7 +22,9 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import sys
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -202,13 +204,15 @@ class Plan:
             return codes, scales, biases
 
         cache: dict[str, np.ndarray] = {}
+        lock = threading.Lock()  # the three parts may be produced on different threads
 
         def part(name: str) -> Callable[[], np.ndarray]:
             def produce() -> np.ndarray:
-                if name not in cache:
-                    codes, scales, biases = params()
-                    cache.update(weight=pack_bits(codes, bits), scales=scales, biases=biases)
-                return cache.pop(name)
+                with lock:
+                    if name not in cache:
+                        codes, scales, biases = params()
+                        cache.update(weight=pack_bits(codes, bits), scales=scales, biases=biases)
+                    return cache.pop(name)
             return produce
 
         self.tensors.append(PlannedTensor(f"{path}.weight", "U32", (rows, cols * bits // 32), part("weight")))
@@ -557,7 +561,10 @@ def build_plan(cfg: dict, seed: int, quant: dict[str, int]) -> Plan:
 
 
 def write_checkpoint(out: Path, preset: str, seed: int, bits: int | None = None, mixed_bits: bool = False,
-                     max_shard_bytes: int = 5 << 30) -> Path:
+                     max_shard_bytes: int = 5 << 30, workers: int | None = None) -> Path:
+    """The preset's random checkpoint in `out`; tensors are generated on `workers` threads (default: the CPU
+    count, at most 16), which changes no byte."""
+    workers = workers or min(os.cpu_count() or 1, 16)
     cfg = preset_config(preset)
     if bits is not None and mixed_bits:
         raise ValueError("--bits and --mixed-bits are exclusive")
@@ -586,12 +593,12 @@ def write_checkpoint(out: Path, preset: str, seed: int, bits: int | None = None,
     for stale in out.glob("model*.safetensors*"):
         stale.unlink()
     if len(shards) == 1:
-        write_file(out / "model.safetensors", shards[0])
+        write_file(out / "model.safetensors", shards[0], workers=workers)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_file(out / name, shard)
+            write_file(out / name, shard, workers=workers)
             weight_map.update({t.key: name for t in shard})
         total = sum(t.nbytes for t in plan.tensors)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

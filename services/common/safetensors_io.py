@@ -7,10 +7,12 @@ emits a deterministic header (keys in the order given, no timestamps) so equal i
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import mmap
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +127,12 @@ class PlannedTensor:
         return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype][1]
 
 
-def write_file(path: str | Path, tensors: Iterable[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
-    """Write tensors in the order given, producing each one only when it is written. Returns bytes written."""
+def write_file(path: str | Path, tensors: Iterable[PlannedTensor], metadata: dict[str, str] | None = None,
+               workers: int = 1) -> int:
+    """Write tensors in the order given, producing each one only shortly before it is written. Returns bytes
+    written. With `workers` > 1 up to that many tensors (about 2 GB of them) are produced at once on threads
+    (numpy releases the GIL in its generators and array arithmetic); each `produce` must then be safe to call
+    concurrently with the others. The bytes written are the same."""
     tensors = list(tensors)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "mlx"}}
     offset = 0
@@ -138,8 +144,8 @@ def write_file(path: str | Path, tensors: Iterable[PlannedTensor], metadata: dic
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for t in tensors:
-            data = np.asarray(t.produce())
+        for t, data in zip(tensors, _produced(tensors, workers), strict=True):
+            data = np.asarray(data)
             if not data.flags.c_contiguous:
                 data = data.copy()
             storage = DTYPES[t.dtype][0]
@@ -147,3 +153,26 @@ def write_file(path: str | Path, tensors: Iterable[PlannedTensor], metadata: dic
                 raise ValueError(f"{t.key}: produced {data.dtype}{data.shape}, planned {storage}{t.shape}")
             f.write(data.tobytes())
     return 8 + len(blob) + offset
+
+
+def _produced(tensors: list[PlannedTensor], workers: int, ahead_bytes: int = 2 << 30) -> Iterator[np.ndarray]:
+    """Each tensor's data in order; with workers > 1, produced on a thread pool ahead of the writer, at most
+    `workers` tensors and (beyond the next one) `ahead_bytes` of them at a time."""
+    if workers <= 1:
+        for t in tensors:
+            yield t.produce()
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        ahead: collections.deque[tuple[int, concurrent.futures.Future[np.ndarray]]] = collections.deque()
+        queued = 0
+        upcoming = 0
+        while upcoming < len(tensors) or ahead:
+            while upcoming < len(tensors) and len(ahead) < workers and (
+                    not ahead or queued + tensors[upcoming].nbytes <= ahead_bytes):
+                t = tensors[upcoming]
+                ahead.append((t.nbytes, pool.submit(t.produce)))
+                queued += t.nbytes
+                upcoming += 1
+            nbytes, future = ahead.popleft()
+            queued -= nbytes
+            yield future.result()

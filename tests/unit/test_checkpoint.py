@@ -45,6 +45,9 @@ def test_same_seed_gives_identical_bytes_and_matches_the_goldens_source(tmp_path
     other = write_checkpoint(tmp_path / "other", "tiny", 1)
     assert digest(other)["model.safetensors"] != digest(tiny_checkpoint)["model.safetensors"]
     assert digest(other)["config.json"] == digest(tiny_checkpoint)["config.json"]
+    # tensors generated on threads (quantized parts sharing one draw included) give the bytes of one thread
+    serial = write_checkpoint(tmp_path / "serial", "tiny", 0, bits=4, workers=1)
+    assert digest(write_checkpoint(tmp_path / "threaded", "tiny", 0, bits=4, workers=8)) == digest(serial)
 
 
 def test_tokenizer_has_the_byte_alphabet_and_the_special_ids(tiny_checkpoint):

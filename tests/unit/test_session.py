@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.cli import drive
 from orchestrator.clients import ServiceError
+from orchestrator.pending import Pending
 from orchestrator.profile import Profile, percentile
 from orchestrator.session import ContextLimitError, OnlineSession, SessionClosedError
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
@@ -81,6 +82,9 @@ def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> Stre
                     return PerceivedFrame(np.full(2, value, np.float32), np.full(3, value, np.float32),
                                           "w" if tokens else "", "w" * (self.index // 2 + self.index % 2), tokens)
 
+                def send_push(self, frame):
+                    return Pending(lambda: self.push(frame))  # answered when taken, in the order sent
+
                 def close(self):
                     log.closed.append("perception")
 
@@ -100,6 +104,9 @@ def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> Stre
                     self.index += 1
                     cycle = [40, PAD, 41, EOS, 42]
                     return cycle[(self.index - 1) % len(cycle)], 50 + self.index % 2
+
+                def send_step(self, embedding):
+                    return Pending(lambda: self.step(embedding))
 
                 def close(self):
                     log.closed.append("language")
@@ -121,6 +128,9 @@ def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> Stre
                     self.index += 1
                     return np.array([text_id, 7, self.index, 9], np.int32)
 
+                def send_step(self, text_id):
+                    return Pending(lambda: self.step(text_id))
+
                 def close(self):
                     log.closed.append("tts")
 
@@ -134,6 +144,9 @@ def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> Stre
             class Stream:
                 def decode(self, codes):
                     return np.full(1764, float(codes.sum()), np.float32)
+
+                def send_decode(self, codes):
+                    return Pending(lambda: self.decode(codes))
 
                 def close(self):
                     log.closed.append("codec")
@@ -324,3 +337,48 @@ def test_token_accumulator_falls_back_to_the_single_token_decode():
     acc = TokenAccumulator(Revising())
     assert acc.append(40) == ("x", "x")
     assert acc.append(41) == ("y41", "y4041")
+
+
+def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than_send_ahead():
+    """Pipelined, the language stage's request for frame k + 1 reaches its service while frame k's answer is
+    still out (so the service never waits a round trip between frames), with at most SEND_AHEAD requests out."""
+    log = Log()
+    clients = make_clients(log)
+    opened = clients.language.open
+
+    class Watched:
+        def __init__(self, session):
+            self.session, self.sent, self.answered = session, 0, 0
+            self.prompt_positions, self.prompt_embeds = session.prompt_positions, session.prompt_embeds
+            self.outstanding_seen, self.next_sent_first = 0, []
+            self._changed = threading.Condition()
+
+        def send_step(self, embedding):
+            with self._changed:
+                self.sent += 1
+                self.outstanding_seen = max(self.outstanding_seen, self.sent - self.answered)
+                self._changed.notify_all()
+            index = self.sent - 1
+
+            def answer():
+                with self._changed:  # hold frame k's answer until frame k + 1 is sent (or 2 s pass)
+                    self.next_sent_first.append(self._changed.wait_for(lambda: self.sent > index + 1, 2.0))
+                    self.answered += 1
+                return self.session.step(embedding)
+
+            return Pending(answer)
+
+        def close(self):
+            self.session.close()
+
+    watched = []
+    clients.language.open = lambda prompt: watched.append(Watched(opened(prompt))) or watched[-1]
+    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True)
+    events = s.push_audio(WAVE) + s.flush()
+    language = watched[0]
+    frames = [e.frame_index for e in events if e.kind == "audio"]
+    assert frames == list(range(7))
+    # every frame but the last saw its successor sent before its own answer came back
+    assert language.next_sent_first == [True] * 6 + [False]
+    assert language.outstanding_seen == OnlineSession.SEND_AHEAD
+    assert comparable(events) == comparable(run(WAVE, N, pipelined=False))
