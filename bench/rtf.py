@@ -3,7 +3,7 @@
     python -m bench.rtf offline --model DIR [--reference-python .ref/bin/python] [--lengths 10,30,60]
                                 [--repeat N] [--no-full-history] [--json]
     python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc]
-                               [--service-flags NAME=FLAGS ...] [--json]
+                               [--service-flags NAME=FLAGS ...] [--send-ahead N] [--json]
 
 offline: one turn over the bundled question padded with silence to each length. Ours runs the engines
 in-process with persistent language caches; the reference runs its default full-history path (the language
@@ -86,7 +86,7 @@ def print_offline(rows: list) -> None:
 
 
 def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int,
-                flags: dict[str, list[str]] | None = None) -> dict:
+                flags: dict[str, list[str]] | None = None, send_ahead: int = 2) -> dict:
     import resource
 
     import mlx.core as mx
@@ -109,7 +109,8 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
     def run(clients) -> OnlineSession:
         nonlocal start
         session = OnlineSession(clients, config, TextDecoder(model, config), seed=0, pipelined=pipelined,
-                                profile=True, on_event=on_event, rnnt_vocabulary=transcript_vocabulary(model, config))
+                                send_ahead=send_ahead, profile=True, on_event=on_event,
+                                rnnt_vocabulary=transcript_vocabulary(model, config))
         with session:
             start = time.perf_counter()
             for offset in range(0, len(audio), 1280):
@@ -173,14 +174,14 @@ def reference_online(python: Path, model: Path, seconds: float, drop: int) -> di
 
 
 def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int,
-                flags: dict[str, list[str]] | None = None) -> dict[str, dict]:
+                flags: dict[str, list[str]] | None = None, send_ahead: int = 2) -> dict[str, dict]:
     """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours, after
     a short warm-up session in the same process (kernels compile on first use, on a GPU for seconds)."""
     ours_online(model, 1.0, True, False, 0)
-    runs = {"ours pipelined": ours_online(model, seconds, True, False, drop),
+    runs = {"ours pipelined": ours_online(model, seconds, True, False, drop, send_ahead=send_ahead),
             "ours sequential": ours_online(model, seconds, False, False, drop)}
     if grpc:
-        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, flags)
+        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, flags, send_ahead)
     if python is not None:
         runs["reference"] = reference_online(python, model, seconds, drop)
     return runs
@@ -233,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-flags", type=parse_service_flags, action="append", metavar="NAME=FLAGS",
                         help="online --grpc: extra flags for a service (NAME: perception, llm, tts, codec or all; "
                              "repeatable), e.g. --service-flags llm='--weights-dtype bfloat16 --float32-weights'")
+    parser.add_argument("--send-ahead", type=int, default=2,
+                        help="online: frames a pipelined stage of ours may have sent and not yet answered (1: none "
+                             "ahead, each request after the last answer)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     lengths = [float(x) for x in args.lengths.split(",") if x.strip()]
     python = None if args.ours_only else args.reference_python
     if args.mode == "online":
-        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop, service_flags(args.service_flags))
+        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop, service_flags(args.service_flags),
+                           args.send_ahead)
         if args.json:
             print(json.dumps({"mode": "online", "runs": runs}, indent=2))
         else:

@@ -123,18 +123,21 @@ class OnlineSession:
 
     def __init__(self, clients: StreamClients, config: VoiceChatConfig, decoder: TextDecoder, *,
                  system_prompt: str | None = None, seed: int = 0, max_streaming_seconds: float | None = None,
-                 pipelined: bool = True, profile: bool = False, record: bool = False,
+                 pipelined: bool = True, send_ahead: int = 2, profile: bool = False, record: bool = False,
                  on_event: Callable[[Event], None] | None = None, clock: Clock | None = None,
                  rnnt_vocabulary: list[str] | None = None):
         if max_streaming_seconds is not None and not max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {max_streaming_seconds}")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
+        if send_ahead < 1:
+            raise ValueError(f"send_ahead must be at least 1, got {send_ahead}")
         self.config = config
         self.sample_rate = config.input_sample_rate
         self.frame_samples = config.input_frame_samples
         self.max_frames = None if max_streaming_seconds is None else int(max_streaming_seconds / config.frame_duration)
         self.pipelined = pipelined
+        self.send_ahead = send_ahead  # pipelined: frames a stage may have sent and not yet answered
         self.clock = clock or MonotonicClock()
         self.profile = Profile(config.frame_duration * 1000.0, pipelined) if profile else None
         self.records: list[FrameRecord] | None = [] if record else None
@@ -272,7 +275,7 @@ class OnlineSession:
     # ------------------------------------------------------------------------------------------- stages
     # Each stage is a pair: `send` hands the frame's request to the stage's service (a Pending answer), `take`
     # stores the answer in the frame. The pipelined mode sends a frame's request as soon as the frame reaches
-    # the stage, up to SEND_AHEAD frames before their answers are taken, so the service has its next request
+    # the stage, up to `send_ahead` frames before their answers are taken, so the service has its next request
     # when it finishes one: no round trip between a stage's frames.
 
     def _send_perception(self, f: _Frame) -> Pending:
@@ -309,7 +312,6 @@ class OnlineSession:
               ("language", "_send_language", "_take_language"),
               ("tts", "_send_speech", "_take_speech"),
               ("codec", "_send_codec", "_take_codec"))
-    SEND_AHEAD = 2  # frames a stage may have sent and not yet answered
 
     def _finish(self, f: _Frame) -> None:
         """The frame's events, in the reference's order; runs in frame order (last stage, one thread)."""
@@ -375,7 +377,7 @@ class OnlineSession:
         self._inboxes = [queue.SimpleQueue() for _ in self.STAGES]
         for i, (name, send, take) in enumerate(self.STAGES):
             sent: queue.SimpleQueue = queue.SimpleQueue()
-            room = threading.Semaphore(self.SEND_AHEAD)
+            room = threading.Semaphore(self.send_ahead)
             outbox = self._inboxes[i + 1] if i + 1 < len(self.STAGES) else None
             for target, args in ((self._send_work, (name, getattr(self, send), self._inboxes[i], sent, room)),
                                  (self._take_work, (name, getattr(self, take), sent, room, outbox))):

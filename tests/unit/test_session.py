@@ -339,9 +339,12 @@ def test_token_accumulator_falls_back_to_the_single_token_decode():
     assert acc.append(41) == ("y41", "y4041")
 
 
-def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than_send_ahead():
+@pytest.mark.parametrize("send_ahead", [1, 2, 3])
+def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than_send_ahead(send_ahead):
     """Pipelined, the language stage's request for frame k + 1 reaches its service while frame k's answer is
-    still out (so the service never waits a round trip between frames), with at most SEND_AHEAD requests out."""
+    still out (so the service never waits a round trip between frames), with at most `send_ahead` requests out
+    (none ahead with 1)."""
+    wait_s = 2.0 if send_ahead > 1 else 0.05  # how long frame k's answer waits for frame k + 1 to be sent
     log = Log()
     clients = make_clients(log)
     opened = clients.language.open
@@ -361,8 +364,8 @@ def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than
             index = self.sent - 1
 
             def answer():
-                with self._changed:  # hold frame k's answer until frame k + 1 is sent (or 2 s pass)
-                    self.next_sent_first.append(self._changed.wait_for(lambda: self.sent > index + 1, 2.0))
+                with self._changed:  # hold frame k's answer until frame k + 1 is sent
+                    self.next_sent_first.append(self._changed.wait_for(lambda: self.sent > index + 1, wait_s))
                     self.answered += 1
                 return self.session.step(embedding)
 
@@ -373,12 +376,12 @@ def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than
 
     watched = []
     clients.language.open = lambda prompt: watched.append(Watched(opened(prompt))) or watched[-1]
-    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True)
+    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True, send_ahead=send_ahead)
     events = s.push_audio(WAVE) + s.flush()
     language = watched[0]
     frames = [e.frame_index for e in events if e.kind == "audio"]
     assert frames == list(range(7))
     # every frame but the last saw its successor sent before its own answer came back
-    assert language.next_sent_first == [True] * 6 + [False]
-    assert language.outstanding_seen == OnlineSession.SEND_AHEAD
+    assert language.next_sent_first == ([True] * 6 if send_ahead > 1 else [False] * 6) + [False]
+    assert min(send_ahead, 2) <= language.outstanding_seen <= send_ahead
     assert comparable(events) == comparable(run(WAVE, N, pipelined=False))
