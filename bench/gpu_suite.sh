@@ -21,11 +21,11 @@
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
-# to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease splits them over
-# calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32 weights in the
-# language model, perception and speech), MPS (1: the four processes' kernels share the GPU through an MPS daemon started for
-# this run and stopped after; no device setting changes). MLX settings exported before the suite apply to every
-# step (the services it starts inherit them).
+# to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease
+# splits them over calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32
+# weights in the language model, perception and speech), MPS (1: the services of the rtf and live steps share
+# the GPU through an MPS daemon of their own, `--mps`; no device setting changes). MLX settings exported before
+# the suite apply to every step (the services it starts inherit them).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -37,7 +37,8 @@ batched="--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--prec
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags=${SERVE_FLAGS:-$batched}
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
-sweep=${SWEEP:-"MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
+sweep="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000"
+sweep=${SWEEP:-"$sweep;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
 reference=${REFERENCE_PYTHON:-}
 rtf_flags="--service-flags perception=--precompile-batches=1"  # its full-cache step traced before frame 70
 one_flags=$rtf_flags
@@ -62,12 +63,8 @@ if [ ! -f "$model/config.json" ]; then
 fi
 wants() { [[ $steps == *" $1 "* ]]; }
 
-if [ "${MPS:-0}" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && echo "== MPS daemon started"
-  trap 'echo quit | nvidia-cuda-mps-control; echo "== MPS daemon stopped"' EXIT
-fi
+mps=""
+[ "${MPS:-0}" = 1 ] && mps="--mps"
 
 if wants warmup; then
   step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
@@ -98,11 +95,11 @@ fi
 if wants rtf && [ -n "$reference" ]; then
   # shellcheck disable=SC2086  # a list of flags
   step rtf "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --reference-python "$reference" \
-    $rtf_flags
+    $rtf_flags $mps
 fi
 if wants rtf-flags; then
   # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
-  step rtf-flags "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --ours-only $one_flags
+  step rtf-flags "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --ours-only $one_flags $mps
 fi
 wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 
@@ -120,7 +117,7 @@ scrape() {  # scrape NAME: each service's batch-size histogram totals and memory
 }
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 "$py" -m orchestrator.cli serve --model "$model" --port "$port" --no-realtime --max-sessions "$sessions" \
-  $serve_flags > "$out/serve.log" 2>&1 &
+  $serve_flags $mps > "$out/serve.log" 2>&1 &
 serve=$!
 ready=0
 for _ in $(seq 1 450); do

@@ -3,7 +3,7 @@
     python -m bench.rtf offline --model DIR [--reference-python .ref/bin/python] [--lengths 10,30,60]
                                 [--repeat N] [--no-full-history] [--json]
     python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc]
-                               [--service-flags NAME=FLAGS ...] [--send-ahead N] [--json]
+                               [--service-flags NAME=FLAGS ...] [--mps] [--grpc-only] [--send-ahead N] [--json]
 
 offline: one turn over the bundled question padded with silence to each length. Ours runs the engines
 in-process with persistent language caches; the reference runs its default full-history path (the language
@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.reference_driver import question_padded
@@ -86,7 +87,7 @@ def print_offline(rows: list) -> None:
 
 
 def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int,
-                flags: dict[str, list[str]] | None = None, send_ahead: int = 2) -> dict:
+                flags: dict[str, list[str]] | None = None, send_ahead: int = 2, mps: bool = False) -> dict:
     import resource
 
     import mlx.core as mx
@@ -125,7 +126,7 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
 
     services = None
     if grpc:  # the four services as child processes, so their memory can be read before they stop
-        with launched(model, flags=flags) as children:
+        with launched(model, flags=flags, mps=mps) as children:
             clients = grpc_stream_clients({name: child.address for name, child in children.items()})
             try:
                 session = run(clients)
@@ -173,15 +174,28 @@ def reference_online(python: Path, model: Path, seconds: float, drop: int) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def online_rows(model: Path, python: Path | None, seconds: float, grpc: bool, drop: int,
-                flags: dict[str, list[str]] | None = None, send_ahead: int = 2) -> dict[str, dict]:
+@dataclass(frozen=True)
+class GrpcRun:
+    """Ours over gRPC child services too: their extra flags, under an MPS daemon or not, and (`only`) without
+    the in-process runs."""
+
+    flags: dict[str, list[str]] = field(default_factory=dict)
+    mps: bool = False
+    only: bool = False
+
+
+def online_rows(model: Path, python: Path | None, seconds: float, drop: int, grpc: GrpcRun | None = None,
+                send_ahead: int = 2) -> dict[str, dict]:
     """Each stack run once, in its own process for the reference and in this one (or over gRPC) for ours, after
     a short warm-up session in the same process (kernels compile on first use, on a GPU for seconds)."""
-    ours_online(model, 1.0, True, False, 0)
-    runs = {"ours pipelined": ours_online(model, seconds, True, False, drop, send_ahead=send_ahead),
-            "ours sequential": ours_online(model, seconds, False, False, drop)}
-    if grpc:
-        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, flags, send_ahead)
+    runs = {}
+    if grpc is None or not grpc.only:
+        ours_online(model, 1.0, True, False, 0)
+        runs = {"ours pipelined": ours_online(model, seconds, True, False, drop, send_ahead=send_ahead),
+                "ours sequential": ours_online(model, seconds, False, False, drop)}
+    if grpc is not None:
+        runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, grpc.flags, send_ahead,
+                                                  grpc.mps)
     if python is not None:
         runs["reference"] = reference_online(python, model, seconds, drop)
     return runs
@@ -213,8 +227,8 @@ def print_online(runs: dict[str, dict]) -> None:
     row("peak RSS MB", lambda r: r["peak_rss_mb"])
     row("peak device MB", lambda r: r["peak_device_mb"])
     for name in ("perception", "llm", "tts", "codec"):
-        for field, label in (("peak_rss_mb", "peak RSS MB"), ("device_mb", "device MB")):
-            row(f"{name} {label}", lambda r, n=name, f=field: (r.get("services") or {}).get(n, {}).get(f))
+        for key, label in (("peak_rss_mb", "peak RSS MB"), ("device_mb", "device MB")):
+            row(f"{name} {label}", lambda r, n=name, k=key: (r.get("services") or {}).get(n, {}).get(k))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-flags", type=parse_service_flags, action="append", metavar="NAME=FLAGS",
                         help="online --grpc: extra flags for a service (NAME: perception, llm, tts, codec or all; "
                              "repeatable), e.g. --service-flags llm='--weights-dtype bfloat16 --float32-weights'")
+    parser.add_argument("--mps", action="store_true",
+                        help="online --grpc: the services share the GPU through an MPS daemon of their own")
+    parser.add_argument("--grpc-only", action="store_true",
+                        help="online --grpc: ours over gRPC only, without the in-process runs")
     parser.add_argument("--send-ahead", type=int, default=2,
                         help="online: frames a pipelined stage of ours may have sent and not yet answered (1: none "
                              "ahead, each request after the last answer)")
@@ -242,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [float(x) for x in args.lengths.split(",") if x.strip()]
     python = None if args.ours_only else args.reference_python
     if args.mode == "online":
-        runs = online_rows(args.model, python, args.seconds, args.grpc, args.drop, service_flags(args.service_flags),
-                           args.send_ahead)
+        if (args.service_flags or args.mps or args.grpc_only) and not args.grpc:
+            parser.error("--service-flags, --mps and --grpc-only are for the run over gRPC: add --grpc")
+        grpc = GrpcRun(service_flags(args.service_flags), args.mps, args.grpc_only) if args.grpc else None
+        runs = online_rows(args.model, python, args.seconds, args.drop, grpc, args.send_ahead)
         if args.json:
             print(json.dumps({"mode": "online", "runs": runs}, indent=2))
         else:

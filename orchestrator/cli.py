@@ -77,16 +77,21 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
                         help="extra flags for a service this command starts (NAME: perception, llm, tts, codec or "
                              "all; repeatable), e.g. --service-flags llm='--weights-dtype bfloat16' "
                              "--service-flags all='--precompile-batches 16'")
+    parser.add_argument("--mps", action="store_true",
+                        help="the services this command starts share the GPU through a CUDA MPS daemon started for "
+                             "them and stopped after (NVIDIA GPUs; needs nvidia-cuda-mps-control): their kernels run "
+                             "side by side instead of taking turns")
     add_deadline_flags(parser)
 
 
 def connection(args: argparse.Namespace) -> dict:
     """Where the services are, as `connect` / `connect_streams` take it."""
-    if args.service_flags and (args.services is not None or args.in_process):
-        raise UsageError("--service-flags is for services this command starts; it cannot go with --services "
-                         "or --in-process")
+    for flag, given in (("--service-flags", args.service_flags), ("--mps", args.mps)):
+        if given and (args.services is not None or args.in_process):
+            raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
+                             "or --in-process")
     return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags)}
+            "flags": service_flags(args.service_flags), "mps": args.mps}
 
 
 def _add_turn_flags(parser: argparse.ArgumentParser, extra_help: str) -> None:

@@ -88,15 +88,16 @@ def deadlines_from_args(args: argparse.Namespace) -> Deadlines:
 
 
 @contextlib.contextmanager
-def serving(model: Path, services: dict[str, str] | None = None,
-            flags: dict[str, list[str]] | None = None) -> Iterator[dict[str, str]]:
+def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
+            mps: bool = False) -> Iterator[dict[str, str]]:
     """The four services' addresses: the ones given, or children started here (from the main thread, with
-    their extra `flags`) and stopped on exit. A client failure while a child has died names that child."""
+    their extra `flags`, under an MPS daemon of their own with `mps`) and stopped on exit. A client failure
+    while a child has died names that child."""
     if services:
         yield services
         return
     try:
-        with launched(model, flags=flags) as children:
+        with launched(model, flags=flags, mps=mps) as children:
             try:
                 yield {name: child.address for name, child in children.items()}
             except ServiceError as exc:
@@ -110,12 +111,13 @@ def serving(model: Path, services: dict[str, str] | None = None,
 
 @contextlib.contextmanager
 def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
-            deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None) -> Iterator[Clients]:
+            deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
+            mps: bool = False) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
-    with serving(model, services, flags) as addresses:
+    with serving(model, services, flags, mps) as addresses:
         clients = grpc_clients(addresses, deadlines)
         try:
             yield clients

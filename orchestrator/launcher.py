@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.mps import MpsError, mps_daemon
 from services.common.cli import PARENT_PID_ENV, parse_ready_line
 from services.common.metrics import METRICS_PORT_ENV, parse_metrics_line
 
@@ -48,17 +49,19 @@ def _drain(stream, sink: list[str]) -> None:
 
 
 def spawn_service(name: str, model: Path, extra: list[str] | None = None,
-                  wrapper: list[str] | None = None) -> ServiceProcess:
+                  wrapper: list[str] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """Start one service on a free port (`extra` flags override; `wrapper` runs the command through another
-    that execs it, e.g. `ip netns exec NS`). Call from the main thread: on Linux the child is signalled when the
-    thread that started it ends, which must be this process's lifetime, not a helper thread's."""
+    that execs it, e.g. `ip netns exec NS`; `env` is added to this process's environment). Call from the main
+    thread: on Linux the child is signalled when the thread that started it ends, which must be this process's
+    lifetime, not a helper thread's."""
     command = [*(wrapper or []), sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
                "--host", "127.0.0.1", "--log-level", "WARNING", *(extra or [])]
     # No preexec_fn: forking a process that has gRPC loaded runs gRPC's fork handlers in the child, which can
     # abort it; without one the child is spawned directly and arranges its own death with this process.
-    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-    env.pop(METRICS_PORT_ENV, None)  # meant for this process: four children cannot all bind one port
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    environment = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
+    environment.pop(METRICS_PORT_ENV, None)  # meant for this process: four children cannot all bind one port
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=environment)
     child = ServiceProcess(name, process)
     threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
     threading.Thread(target=_read_ready, args=(child,), daemon=True).start()
@@ -111,18 +114,24 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def launched(model: Path, names: tuple[str, ...] = SERVICES,
-             flags: dict[str, list[str]] | None = None) -> Iterator[dict[str, ServiceProcess]]:
+def launched(model: Path, names: tuple[str, ...] = SERVICES, flags: dict[str, list[str]] | None = None,
+             mps: bool = False) -> Iterator[dict[str, ServiceProcess]]:
     """Start the services (they load in parallel) with their extra `flags` (name -> flags), yield name ->
-    process, and always stop them."""
-    children: dict[str, ServiceProcess] = {}
-    try:
-        for name in names:
-            children[name] = spawn_service(name, model, (flags or {}).get(name))
-        wait_ready(list(children.values()))
-        yield children
-    finally:
-        stop(list(children.values()))
+    process, and always stop them. With `mps` they share the GPU through an MPS daemon started for them first
+    and stopped after them (see orchestrator.mps)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            env = stack.enter_context(mps_daemon()) if mps else None
+        except MpsError as exc:
+            raise LaunchError(str(exc)) from None
+        children: dict[str, ServiceProcess] = {}
+        try:
+            for name in names:
+                children[name] = spawn_service(name, model, (flags or {}).get(name), env=env)
+            wait_ready(list(children.values()))
+            yield children
+        finally:
+            stop(list(children.values()))
 
 
 def pid_alive(pid: int) -> bool:
