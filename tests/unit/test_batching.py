@@ -295,16 +295,24 @@ def test_a_lone_sessions_step_runs_in_its_own_task(engine_thread, monkeypatch):
     assert tasks == []  # no batching task: each step ran straight from its caller
 
 
+async def _lone_step_on_the_engine(batcher: StepBatcher, recorder: Recorder, open_sessions: list[int],
+                                   opened: int) -> asyncio.Future:
+    """Session 1, alone, submits its step and the step is held on the engine thread; then `opened` sessions are
+    open. Returns the lone step's future."""
+    recorder.hold.clear()
+    solo = asyncio.ensure_future(batcher.submit(1))
+    await _wait_started(recorder)
+    open_sessions[0] = opened
+    return solo
+
+
 def test_steps_arriving_during_a_lone_sessions_step_are_drained_after_it(engine_thread):
     recorder, open_sessions = Recorder(), [1]
     batcher = StepBatcher(engine_thread, recorder, sessions=lambda: open_sessions[0])
 
     async def scenario():
-        recorder.hold.clear()
-        solo = asyncio.ensure_future(batcher.submit(1))
-        await _wait_started(recorder)  # the lone session's step is on the engine thread
-        open_sessions[0] = 3  # two more sessions open and send their first steps meanwhile
-        later = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]
+        solo = await _lone_step_on_the_engine(batcher, recorder, open_sessions, 3)
+        later = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]  # two more sessions' first steps
         await asyncio.sleep(0.01)
         counts = (batcher.running, batcher.queued)
         recorder.hold.set()
@@ -320,10 +328,7 @@ def test_a_cancelled_lone_step_still_lets_queued_steps_run(engine_thread):
     batcher = StepBatcher(engine_thread, recorder, sessions=lambda: open_sessions[0])
 
     async def scenario():
-        recorder.hold.clear()
-        solo = asyncio.ensure_future(batcher.submit(1))
-        await _wait_started(recorder)
-        open_sessions[0] = 2
+        solo = await _lone_step_on_the_engine(batcher, recorder, open_sessions, 2)
         other = asyncio.ensure_future(batcher.submit(2))
         await asyncio.sleep(0)
         solo.cancel()
