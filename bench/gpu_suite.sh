@@ -25,7 +25,8 @@
 # splits them over calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32
 # weights in the language model, perception and speech), MPS (1: the services of the rtf and live steps share
 # the GPU through an MPS daemon of their own, `--mps`; no device setting changes). MLX settings exported before
-# the suite apply to every step (the services it starts inherit them).
+# the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
+# conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -128,7 +129,7 @@ done
 if [ $ready -eq 1 ]; then
   for k in "$sessions" 1; do
     step "live-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
-      --pace live
+      --pace live --settle-seconds "${SETTLE_SECONDS:-0}"
     scrape "live-$k"
   done
 else

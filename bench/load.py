@@ -220,12 +220,15 @@ async def _expect(socket, kind: str, outcome: Outcome) -> bool:
 class LoadReport:
     outcomes: list[Outcome]
     wall_s: float
+    settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles
 
     def rows(self) -> dict[str, dict]:
         table = {}
         for transport in sorted({o.transport for o in self.outcomes}):
             mine = [o for o in self.outcomes if o.transport == transport]
-            intervals = [(b - a) * 1000.0 for o in mine for a, b in zip(o.arrivals, o.arrivals[1:], strict=False)]
+            intervals = [(b - a) * 1000.0 for o in mine
+                         for a, b in zip(o.arrivals[self.settle_frames :], o.arrivals[self.settle_frames + 1 :],
+                                         strict=False)]
             frames = sum(o.frames for o in mine)
             firsts = [(o.arrivals[0] - o.first_sent) * 1000.0 for o in mine if o.arrivals and o.first_sent]
             table[transport] = {
@@ -309,12 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="no audio is sent after this (default 120 s)")
     parser.add_argument("--pace", choices=["live", "burst"], default="live", help="live microphone or all at once")
     parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
+    parser.add_argument("--settle-seconds", type=float, default=0.0,
+                        help="leave each conversation's first S seconds of frames out of the interval percentiles "
+                             "(its opening: the prompt, the first frames of every conversation starting together)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
         parser.error("--grpc and --ws must be >= 0 and not both 0")
     if not args.seconds > 0 or not args.duration > 0:
         parser.error("--seconds and --duration must be positive")
+    if not 0 <= args.settle_seconds < args.seconds:
+        parser.error("--settle-seconds must be at least 0 and less than --seconds")
     start_one = (args.grpc and not args.address) or (args.ws and not args.realtime)
     if start_one and args.model is None:
         parser.error("give --model (an orchestrator is started) or --address/--realtime of a running one")
@@ -330,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with orchestrator(args.model, max(args.grpc, args.ws)) as (address, url):
             report = run(args.address or address, args.realtime or url)
+    report.settle_frames = round(args.settle_seconds / FRAME_S)
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "transports": report.rows()}, indent=2))
     else:

@@ -51,3 +51,16 @@ def test_the_load_bench_reads_a_wav_and_loops_it(tmp_path):
     talks = conversations(read_audio(path), 3, 1.0)
     assert [len(t.samples) for t in talks] == [16_000] * 3 and [t.seed for t in talks] == [0, 1, 2]
     assert np.array_equal(talks[1].samples[:100], talks[0].samples[3840:3940])  # offset by three frames
+
+
+def test_settling_leaves_each_conversations_opening_out_of_the_intervals():
+    from bench.load import LoadReport, Outcome
+
+    slow_start = Outcome("grpc", frames=5, arrivals=[0.0, 1.0, 1.08, 1.16, 1.24])  # 1 s before its second frame
+    other = Outcome("grpc", frames=3, arrivals=[0.5, 0.58, 0.66])
+    report = LoadReport([slow_start, other], wall_s=2.0)
+    assert report.rows()["grpc"]["interval_p95_ms"] > 500  # the opening second dominates the tail
+    report.settle_frames = 1
+    row = report.rows()["grpc"]
+    assert row["interval_p95_ms"] == pytest.approx(80.0) and row["interval_p50_ms"] == pytest.approx(80.0)
+    assert row["frames"] == 8 and row["frames_per_s"] == 4.0  # throughput still counts every frame
