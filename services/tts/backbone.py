@@ -19,8 +19,10 @@ padding masked out: copies, one attention); every longer cache is read in place 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -49,46 +51,95 @@ def stack_limit() -> int:
     return STACK_KEYS_GPU if mx.default_device().type == mx.gpu else 0
 
 
-class FullCache:
-    """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
+class Plan(NamedTuple):
+    """Where a cache puts one new key, without touching its storage: the slot it is written to, the keys visible
+    after it, the buffer size then, and (rings) the slot after it and the oldest keys dropped first."""
+
+    slot: int
+    visible: int
+    capacity: int
+    next_slot: int = 0
+    trim: int = 0
+
+
+class _LayerCache:
+    """Storage shared by both cache kinds: a cache's keys and values are its own arrays, or the rows of a
+    `LayerGroup`'s arrays while it steps in one batch with the same sessions. `keys` and `values` read either;
+    every write to a cache's own arrays takes them back from its group first (`_own`)."""
 
     def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self._keys: mx.array | None = None
+        self._values: mx.array | None = None
         self.offset = 0
+        self.group: LayerGroup | None = None
+        self._row = 0  # its first row in the group's arrays
+        self._capacity = 0  # its buffer size while in a group
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self._keys if self.group is None else self.group.rows(self)[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return self._values if self.group is None else self.group.rows(self)[1]
+
+    @property
+    def capacity(self) -> int:
+        """The size of its key buffer (the keys visible are a prefix of it, or all of it)."""
+        if self.group is not None:
+            return self._capacity
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    def _own(self) -> None:
+        if self.group is not None:
+            self._keys, self._values = self.group.rows(self)
+            self.group = None
+
+    def _advance(self, plan: Plan) -> None:
+        """Count one key written as `plan` says (a group wrote it)."""
+        self.offset += 1
+        self._capacity = plan.capacity
+
+
+class FullCache(_LayerCache):
+    """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._own()
         n = keys.shape[2]
-        if self.keys is None or self.offset + n > self.keys.shape[2]:
+        if self._keys is None or self.offset + n > self._keys.shape[2]:
             b, h, _, d = keys.shape
             size = (_GROW + n - 1) // _GROW * _GROW
             grow_k = mx.zeros((b, h, size, d), keys.dtype)
             grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = grow_k, grow_v
+            if self._keys is None:
+                self._keys, self._values = grow_k, grow_v
             else:
-                self.keys = mx.concatenate([self.keys[..., : self.offset, :], grow_k], axis=2)
-                self.values = mx.concatenate([self.values[..., : self.offset, :], grow_v], axis=2)
-        self.keys[..., self.offset : self.offset + n, :] = keys
-        self.values[..., self.offset : self.offset + n, :] = values
+                self._keys = mx.concatenate([self._keys[..., : self.offset, :], grow_k], axis=2)
+                self._values = mx.concatenate([self._values[..., : self.offset, :], grow_v], axis=2)
+        self._keys[..., self.offset : self.offset + n, :] = keys
+        self._values[..., self.offset : self.offset + n, :] = values
         self.offset += n
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
+
+    def plan_one(self) -> Plan:
+        """What `update` does with one key: a full buffer grows by _GROW keys past the keys so far."""
+        capacity = self.capacity if self.offset < self.capacity else self.offset + _GROW
+        return Plan(self.offset, self.offset + 1, capacity)
 
     def mask(self, n: int) -> str | None:
         return "causal" if n > 1 else None
 
 
-class RingCache:
+class RingCache(_LayerCache):
     """The last `window` keys: a multi-token update appends in time order; single tokens overwrite a ring.
 
     Mirrors the reference's rotating cache layout exactly (slot order decides the attention sum's order).
     """
 
     def __init__(self, window: int) -> None:
+        super().__init__()
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
         self.slot = 0  # next write position in the buffer
 
     def _in_time_order(self, v: mx.array) -> mx.array:
@@ -99,45 +150,57 @@ class RingCache:
         return v[..., : self.slot, :]
 
     def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
+        if self._keys is None:
+            self._keys, self._values = keys, values
         else:
-            self.keys, self.values = self._in_time_order(self.keys), self._in_time_order(self.values)
-            drop = max(self.keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
-            self.keys = mx.concatenate([self.keys[..., drop:, :], keys], axis=2)
-            self.values = mx.concatenate([self.values[..., drop:, :], values], axis=2)
+            self._keys, self._values = self._in_time_order(self._keys), self._in_time_order(self._values)
+            drop = max(self._keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
+            self._keys = mx.concatenate([self._keys[..., drop:, :], keys], axis=2)
+            self._values = mx.concatenate([self._values[..., drop:, :], values], axis=2)
         self.offset += keys.shape[2]
-        self.slot = self.keys.shape[2]
-        return self.keys, self.values
+        self.slot = self._keys.shape[2]
+        return self._keys, self._values
+
+    def plan_one(self) -> Plan:
+        """What a single-key update does: the buffer grows by up to _GROW keys until it holds `window`; a buffer
+        left longer by a multi-token append drops its oldest keys; the slot wraps at `window`."""
+        capacity, slot, trim = self.capacity, self.slot, 0
+        if capacity == 0 or (self.offset >= capacity and capacity < self.window):
+            capacity += min(_GROW, self.window - self.offset)
+            slot = self.offset
+        if capacity > self.window:  # after a long multi-token append: keep the newest `window` keys
+            trim, capacity, slot = capacity - self.window, self.window, self.window
+        if slot == self.window:
+            slot = 0
+        visible = self.offset + 1 if self.offset + 1 < self.window else capacity
+        return Plan(slot, visible, capacity, slot + 1, trim)
 
     def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        prev = self.offset
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.window):
+        plan = self.plan_one()
+        grow = plan.capacity + plan.trim - self.capacity
+        if grow:
             b, h, _, d = keys.shape
-            size = min(_GROW, self.window - prev)
-            grow_k = mx.zeros((b, h, size, d), keys.dtype)
-            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = grow_k, grow_v
+            grow_k = mx.zeros((b, h, grow, d), keys.dtype)
+            grow_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+            if self._keys is None:
+                self._keys, self._values = grow_k, grow_v
             else:
-                self.keys = mx.concatenate([self.keys, grow_k], axis=2)
-                self.values = mx.concatenate([self.values, grow_v], axis=2)
-            self.slot = prev
-        excess = self.keys.shape[2] - self.window
-        if excess > 0:  # after a long multi-token append: keep the newest `window` keys
-            self.keys, self.values = self.keys[..., excess:, :], self.values[..., excess:, :]
-            self.slot = self.window
-        if self.slot == self.window:
-            self.slot = 0
-        self.keys[..., self.slot : self.slot + 1, :] = keys
-        self.values[..., self.slot : self.slot + 1, :] = values
+                self._keys = mx.concatenate([self._keys, grow_k], axis=2)
+                self._values = mx.concatenate([self._values, grow_v], axis=2)
+        if plan.trim:
+            self._keys, self._values = self._keys[..., plan.trim :, :], self._values[..., plan.trim :, :]
+        self._keys[..., plan.slot : plan.slot + 1, :] = keys
+        self._values[..., plan.slot : plan.slot + 1, :] = values
         self.offset += 1
-        self.slot += 1
-        if self.offset < self.window:
-            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        return self.keys, self.values
+        self.slot = plan.next_slot
+        return self._keys[..., : plan.visible, :], self._values[..., : plan.visible, :]
+
+    def _advance(self, plan: Plan) -> None:
+        super()._advance(plan)
+        self.slot = plan.next_slot
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._own()
         if keys.shape[2] == 1:
             return self._write_one(keys, values)
         return self._append(keys, values)
@@ -152,6 +215,78 @@ class RingCache:
         rows = mx.arange(offset, offset + n)[:, None]
         cols = mx.arange(offset + n)[None]
         return (rows >= cols) & (rows < cols + self.window)
+
+
+class LayerGroup:
+    """One layer's caches of the sessions that step in one batch, stored as the rows of one pair of arrays
+    (rows per * i ... per * (i + 1) - 1 are member i's, each widened with zeros to the longest buffer).
+
+    While the same sessions step together in the same order, a step writes every member's new key with one
+    scatter and attends with one attention over the buffer's first keys, those past each member's visible
+    ones masked out: no per-session writes, no copies. Each member's counters advance exactly as its own update
+    would; its `keys` are its rows cut to its own buffer size, the same array its own update would hold. A
+    member that steps any other way takes its rows back as its own arrays (`_LayerCache._own`)."""
+
+    def __init__(self, caches: Sequence[FullCache | RingCache], per: int):
+        self.members = [weakref.ref(cache) for cache in caches]  # a closed session's caches are not kept alive
+        self.per = per
+        width = max(cache.capacity for cache in caches)
+        self.keys = mx.concatenate([_widened(cache.keys, width) for cache in caches], axis=0)
+        self.values = mx.concatenate([_widened(cache.values, width) for cache in caches], axis=0)
+        for i, cache in enumerate(caches):
+            cache._capacity = cache.capacity
+            cache._keys = cache._values = None
+            cache.group, cache._row = self, i * per
+
+    @staticmethod
+    def of(caches: Sequence[FullCache | RingCache]) -> LayerGroup | None:
+        """The group these caches are, all of it and in this order, if they are one."""
+        group = caches[0].group
+        if group is None or len(group.members) != len(caches):
+            return None
+        if any(cache is not member() or cache.group is not group
+               for cache, member in zip(caches, group.members, strict=True)):
+            return None
+        return group
+
+    def rows(self, cache: FullCache | RingCache) -> tuple[mx.array, mx.array]:
+        rows = slice(cache._row, cache._row + self.per)
+        return self.keys[rows, :, : cache._capacity], self.values[rows, :, : cache._capacity]
+
+    def plans(self) -> list[Plan] | None:
+        """Every member's plan for one more key; None when one would drop keys (a member fresh from a
+        multi-token append), which only its own update does."""
+        plans = [member().plan_one() for member in self.members]
+        return None if any(plan.trim for plan in plans) else plans
+
+    def step(self, q: mx.array, k: mx.array, v: mx.array, plans: list[Plan], scale: float) -> mx.array:
+        """Write k, v (R, H, 1, Dh) at each member's slot, advance every member, attend q over the buffer."""
+        width = max(plan.capacity for plan in plans)
+        if width > self.keys.shape[2]:
+            self.keys, self.values = _widened(self.keys, width), _widened(self.values, width)
+        slots = mx.array(np.repeat([plan.slot for plan in plans], self.per).astype(np.int32))[:, None, None, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, k.shape), k, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, v.shape), v, axis=2)
+        for member, plan in zip(self.members, plans, strict=True):
+            member()._advance(plan)
+        return self.attend(q, [plan.visible for plan in plans], scale)
+
+    def attend(self, q: mx.array, visible: list[int], scale: float) -> mx.array:
+        """q (R, H, 1, Dh) over every member's visible keys: the buffer's first max(visible) keys (a view), the
+        rest of each member's masked out."""
+        width = max(visible)
+        keys, values = self.keys, self.values
+        if width < keys.shape[2]:
+            keys, values = keys[:, :, :width], values[:, :, :width]
+        mask = None if min(visible) == width else _length_mask(tuple(visible), self.per)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _widened(buffer: mx.array, width: int) -> mx.array:
+    """A key buffer (B, H, T, Dh) zero-padded to `width` keys."""
+    if buffer.shape[2] == width:
+        return buffer
+    return mx.pad(buffer, [(0, 0), (0, 0), (0, width - buffer.shape[2]), (0, 0)])
 
 
 @dataclass
@@ -203,6 +338,11 @@ class Attention:
         Caches of at most `stack_up_to` keys attend together over their keys stacked and padded; every other
         one over its own keys in place (the solo step's attention), its output copied into place."""
         per = q.shape[0] // len(caches)
+        group = LayerGroup.of(caches) if len(caches) > 1 else None
+        if group is not None:  # the same sessions as the last step, in the same order: one write, no copies
+            plans = group.plans()
+            if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
+                return group.step(q, k, v, plans, self.scale)
         seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
                 for i, cache in enumerate(caches)]
         lengths = [sk.shape[2] for sk, _ in seen]
@@ -210,8 +350,8 @@ class Attention:
         if len(caches) == 1:  # read in place, as in the solo step
             sk, sv = seen[0]
             return mx.fast.scaled_dot_product_attention(q, sk, sv, scale=self.scale)
-        if len(stacked) == len(caches):
-            return self._attend_stacked(q, seen, caches, per)
+        if len(stacked) == len(caches):  # stacked once into a group, which their next steps write in place
+            return LayerGroup(caches, per).attend(q, lengths, self.scale)
         pieces = {}
         if len(stacked) > 1:
             rows = mx.array([i * per + r for i in stacked for r in range(per)])

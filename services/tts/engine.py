@@ -15,6 +15,7 @@ set to the mask index, last frame dropped; the orchestrator gets them from the c
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -169,6 +170,9 @@ class TTSEngine:
             session, text_id = steps[batch[0]]
             results[batch[0]] = session.step(text_id)
         elif batch:
+            # in the order the sessions opened, whatever order their steps came in: the same sessions then form
+            # the same batch, whose attention caches stay grouped between steps (backbone.LayerGroup)
+            batch.sort(key=lambda i: steps[i][0].serial)
             for i, codes in zip(batch, self._step_together([steps[i] for i in batch]), strict=True):
                 results[i] = codes
         return results
@@ -217,6 +221,9 @@ class TTSEngine:
         return [(row[0], row[1]) for row in rows]
 
 
+_SERIALS = itertools.count()
+
+
 class TTSSession:
     """One stream's state: backbone caches, random key, the code fed back next step."""
 
@@ -233,6 +240,7 @@ class TTSSession:
                              f"[{codes.min()}, {codes.max()}]")
         engine.check_prefix_steps(prefix_steps)
         self.engine = engine
+        self.serial = next(_SERIALS)  # orders the sessions of a batch
         self.rng = SessionKey(seed)
         self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches()
         prompt = mx.array(codes.astype(np.int32))[None]

@@ -105,3 +105,55 @@ def test_text_rows_are_each_ids_own_embedding_and_stay_bounded(engine, monkeypat
     engine.text_rows([5, 5])
     assert list(engine._text_rows) == [7, engine.config.eos_token_id, 5]
     np.testing.assert_array_equal(np.array(engine.text_rows([5]).astype(mx.float32)), own(5))
+
+
+def test_grouped_caches_equal_plain_solo_steps_through_wraps_regroups_and_solo_steps(engine, monkeypatch):
+    """Sessions stepping together keep each layer's caches as rows of one group (one write per layer, no
+    copies). Through their sliding rings wrapping inside the group, a session sitting two frames out (the group
+    re-formed without it and again with it), a solo step between batches and a new session joining, every code
+    and, at the end, every cache equals each session's plain solo twin."""
+    from services.tts import backbone
+
+    monkeypatch.setattr(step_module, "stack_limit", lambda: 10**9)
+    counts = {"formed": 0, "stepped": 0}
+    form, step = backbone.LayerGroup.__init__, backbone.LayerGroup.step
+
+    def formed(self, *args):
+        counts["formed"] += 1
+        form(self, *args)
+
+    def stepped(self, *args):
+        counts["stepped"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(backbone.LayerGroup, "__init__", formed)
+    monkeypatch.setattr(backbone.LayerGroup, "step", stepped)
+    window = engine.config.tts_config.sliding_window
+    batched = [_open(engine, 60 + i, 4 * i) for i in range(3)]
+    plain = [_open(engine, 60 + i, 4 * i) for i in range(3)]
+    frames = window + 12
+    ids = [_ids(engine, frames + 4, 10 + i) for i in range(4)]
+    done = [0, 0, 0]
+    for frame in range(frames):
+        if frame == frames - 8:  # a new session joins the batch
+            batched.append(_open(engine, 63, 0))
+            plain.append(_open(engine, 63, 0))
+            done.append(0)
+        due = [i for i in range(len(batched)) if not (i == 1 and frame in (7, 8))]
+        if frame == 20:  # session 2 steps alone, then rejoins
+            got = batched[2].step(ids[2][done[2]])
+            want = _plain_step(engine, plain[2], ids[2][done[2]])
+            np.testing.assert_array_equal(got[0], want[0])
+            done[2] += 1
+        results = engine.step_batch([(batched[i], ids[i][done[i]]) for i in reversed(due)])  # any order
+        for i, result in zip(reversed(due), results, strict=True):
+            want = _plain_step(engine, plain[i], ids[i][done[i]])
+            np.testing.assert_array_equal(result[0], want[0])
+            np.testing.assert_array_equal(result[1], want[1])
+            done[i] += 1
+    layers = len(engine.model.backbone.layers)
+    assert counts["stepped"] > (frames - 12) * layers  # most frames wrote every layer's group in place
+    assert counts["formed"] <= 6 * layers  # formed at the start and after each change of the batch only
+    assert batched[0].caches[0].offset > window and batched[0].caches[0].group is not None
+    for mine, theirs in zip(batched, plain, strict=True):
+        _assert_caches_equal(mine, theirs)
