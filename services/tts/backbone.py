@@ -11,7 +11,9 @@ over keys is order-sensitive in the last bit:
 Several sessions' single-frame steps run as one batch: rows 2i and 2i + 1 are session i's (its caches hold
 those two rows) and each session's keys are written to its own caches. Per layer, the sessions whose caches
 hold at most `stack_limit()` keys attend together over their keys stacked and zero-padded to the longest (the
-padding masked out: copies, one attention); every longer cache is read in place by an attention of its own:
+padding masked out: copies, one attention); every longer cache is read in place by an attention of its own.
+Stacked caches stay stacked, as the rows of a `LayerGroup`: while the same sessions step together, each step
+writes their keys with one scatter and attends once, with no copies:
 
     h = backbone.step_batch(x, [caches_0, caches_1])   # x: (2 * sessions, 1, D) -> (2 * sessions, 1, D)
 """
