@@ -13,10 +13,12 @@ Every complete 1280-sample frame t runs four stages, each a call to one service'
     codec       codes (control codes replaced by silence) -> 1764 samples at 22.05 kHz
 
 The system prompt prefix advances the timeline when the sessions open (language prefill, P-1 speech pad
-steps) and emits nothing. Only forward edges cross services, so the pipelined mode runs each stage on its own
-thread (perception of t+2 while language runs t+1 and speech t); every stage still takes frames in order, and
-the events of frame t come out when its last stage is done, in frame order. The sequential mode runs the same
-stage functions one after another; both give identical events.
+steps) and emits nothing. Only forward edges cross services, so the pipelined mode runs the stages side by side
+(perception of t+2 while language runs t+1 and speech t). Each stage sends a frame's request as soon as the
+frame reaches it, up to `send_ahead` frames before their answers are taken, so its service has the next request
+when it finishes one. Every stage still takes frames in order, and the events of frame t come out when its last
+stage is done, in frame order. The sequential mode runs the same stages one after another; both give identical
+events.
 
 Per frame the events are, in order: user_transcript_delta, assistant_text_delta, function_delta, audio.
 """
