@@ -22,10 +22,18 @@ import mlx.nn as nn
 
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
+from services.common.kv_group import GroupedCache, LayerGroup, Plan
 from services.common.layers import Embedding, Linear
 
 SSM_CHUNK = 256  # positions per block of the chunked state-space form
 KV_STEP = 256  # attention cache grows in blocks of this many positions
+
+
+def grouping() -> bool:
+    """Whether batched sessions keep their attention caches grouped: on a GPU, where a step is many small
+    kernels and the group saves every session's own write and attention; on the CPU each cache is read in
+    place (a group's attention over keys padded to the longest cache costs arithmetic there)."""
+    return mx.default_device().type == mx.gpu
 WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
 
 # ---- caches ------------------------------------------------------------------------------------------------
@@ -42,34 +50,35 @@ class MambaCache:
         return [a for a in (self.conv, self.ssm) if a is not None]
 
 
-@dataclass
-class KVCache:
+class KVCache(GroupedCache):
     """Per-layer attention keys/values (B, kv_heads, capacity, head_dim), grown KV_STEP positions at a time.
 
     The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later f32 keys in bf16,
-    exactly as the reference's cache does)."""
-
-    keys: mx.array | None = None
-    values: mx.array | None = None
-    offset: int = 0
+    exactly as the reference's cache does). Sessions batched together may keep it as rows of a `LayerGroup`."""
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values: (B, kv_heads, L, head_dim) -> everything cached so far, (B, kv_heads, offset, head_dim)."""
+        self._own()
         start, n = self.offset, keys.shape[2]
-        if self.keys is None or start + n > self.keys.shape[2]:
+        if self._keys is None or start + n > self._keys.shape[2]:
             blocks = (KV_STEP + n - 1) // KV_STEP
             b, heads, _, dim = keys.shape
             grow_k = mx.zeros((b, heads, blocks * KV_STEP, dim), keys.dtype)
             grow_v = mx.zeros((b, heads, blocks * KV_STEP, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = grow_k, grow_v
+            if self._keys is None:
+                self._keys, self._values = grow_k, grow_v
             else:
-                self.keys = mx.concatenate([self.keys[..., :start, :], grow_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :start, :], grow_v], axis=2)
+                self._keys = mx.concatenate([self._keys[..., :start, :], grow_k], axis=2)
+                self._values = mx.concatenate([self._values[..., :start, :], grow_v], axis=2)
         self.offset = start + n
-        self.keys[..., start : self.offset, :] = keys
-        self.values[..., start : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        self._keys[..., start : self.offset, :] = keys
+        self._values[..., start : self.offset, :] = values
+        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
+
+    def plan_one(self) -> Plan:
+        """What `update` does with one key: a full buffer grows by KV_STEP positions past the keys so far."""
+        capacity = self.capacity if self.offset < self.capacity else self.offset + KV_STEP
+        return Plan(self.offset, self.offset + 1, capacity)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
@@ -296,6 +305,18 @@ class Attention:
         mask = "causal" if q.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
 
+    def attend_sessions(self, q: mx.array, k: mx.array, v: mx.array, caches: list[KVCache]) -> mx.array:
+        """One position of several sessions, row b of q, k, v (B, heads, 1, Dh) session b's with caches[b]:
+        each row's `attend` over its own cache. With `grouping()`, sessions that step together again keep their
+        caches grouped (one write and one attention for all; see services.common.kv_group)."""
+        group = LayerGroup.of(caches) if len(caches) > 1 and grouping() else None
+        if group is not None and (plans := group.plans()) is not None:
+            return group.step(q, k, v, plans, self.head_dim**-0.5)
+        rows = [self.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], cache) for b, cache in enumerate(caches)]
+        if len(caches) > 1 and grouping() and LayerGroup.can_form(caches):
+            LayerGroup(caches, 1)  # their next step together takes the grouped path
+        return mx.concatenate(rows, axis=0)
+
     def output(self, out: mx.array) -> mx.array:
         """out: (B, heads, L, Dh) -> (B, L, D)."""
         b, _, length, _ = out.shape
@@ -516,12 +537,13 @@ class CachedStep:
 
 class BatchedStep(CachedStep):
     """`CachedStep` for B sessions at one position each: the pieces run once over their rows stacked along
-    axis 0, and each attention layer between them runs per session on that session's own cache.
+    axis 0, and each attention layer between them runs per session on that session's own cache, or, on a GPU,
+    once for all over the group their caches form after their first step together (`attend_sessions`).
 
-    Per-session attention keeps every row exact (the same cache write and attention call as the solo step) and
-    needs no copy of the caches, whose lengths and capacities differ; padding keys to a common length would
-    copy every session's keys each step. Attention layers are few, so this is the only part that grows with B.
-    The pieces are traced once per (B, dtypes) and give each row's own greedy ids.
+    Per-session attention keeps every row exact (the same cache write and attention call as the solo step); a
+    group stacks the caches once and then writes them in place, so no step copies them. Attention layers are
+    few, so this is the only part that grows with B. The pieces are traced once per (B, dtypes) and give each
+    row's own greedy ids.
     """
 
     def _ids(self, text_logits: mx.array, function_logits: mx.array) -> mx.array:
@@ -550,8 +572,5 @@ class BatchedStep(CachedStep):
             updated += out
             if end < len(self.blocks):
                 x, q, k_new, v_new = carried
-                attend = self.blocks[end].mixer.attend
-                rows = [attend(q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], cache[end])
-                        for b, cache in enumerate(caches)]
-                carried = (x, mx.concatenate(rows, axis=0))
+                carried = (x, self.blocks[end].mixer.attend_sessions(q, k_new, v_new, [c[end] for c in caches]))
         return carried, updated

@@ -20,17 +20,15 @@ writes their keys with one scatter and attends once, with no copies:
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
+from services.common.kv_group import GroupedCache, LayerGroup, Plan, length_mask
 from services.common.layers import Linear, Projections
 from services.tts.blocks import GatedMLP, GemmaRMSNorm
 
@@ -53,57 +51,7 @@ def stack_limit() -> int:
     return STACK_KEYS_GPU if mx.default_device().type == mx.gpu else 0
 
 
-class Plan(NamedTuple):
-    """Where a cache puts one new key, without touching its storage: the slot it is written to, the keys visible
-    after it, the buffer size then, and (rings) the slot after it and the oldest keys dropped first."""
-
-    slot: int
-    visible: int
-    capacity: int
-    next_slot: int = 0
-    trim: int = 0
-
-
-class _LayerCache:
-    """Storage shared by both cache kinds: a cache's keys and values are its own arrays, or the rows of a
-    `LayerGroup`'s arrays while it steps in one batch with the same sessions. `keys` and `values` read either;
-    every write to a cache's own arrays takes them back from its group first (`_own`)."""
-
-    def __init__(self) -> None:
-        self._keys: mx.array | None = None
-        self._values: mx.array | None = None
-        self.offset = 0
-        self.group: LayerGroup | None = None
-        self._row = 0  # its first row in the group's arrays
-        self._capacity = 0  # its buffer size while in a group
-
-    @property
-    def keys(self) -> mx.array | None:
-        return self._keys if self.group is None else self.group.rows(self)[0]
-
-    @property
-    def values(self) -> mx.array | None:
-        return self._values if self.group is None else self.group.rows(self)[1]
-
-    @property
-    def capacity(self) -> int:
-        """The size of its key buffer (the keys visible are a prefix of it, or all of it)."""
-        if self.group is not None:
-            return self._capacity
-        return 0 if self._keys is None else self._keys.shape[2]
-
-    def _own(self) -> None:
-        if self.group is not None:
-            self._keys, self._values = self.group.rows(self)
-            self.group = None
-
-    def _advance(self, plan: Plan) -> None:
-        """Count one key written as `plan` says (a group wrote it)."""
-        self.offset += 1
-        self._capacity = plan.capacity
-
-
-class FullCache(_LayerCache):
+class FullCache(GroupedCache):
     """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -133,7 +81,7 @@ class FullCache(_LayerCache):
         return "causal" if n > 1 else None
 
 
-class RingCache(_LayerCache):
+class RingCache(GroupedCache):
     """The last `window` keys: a multi-token update appends in time order; single tokens overwrite a ring.
 
     Mirrors the reference's rotating cache layout exactly (slot order decides the attention sum's order).
@@ -217,78 +165,6 @@ class RingCache(_LayerCache):
         rows = mx.arange(offset, offset + n)[:, None]
         cols = mx.arange(offset + n)[None]
         return (rows >= cols) & (rows < cols + self.window)
-
-
-class LayerGroup:
-    """One layer's caches of the sessions that step in one batch, stored as the rows of one pair of arrays
-    (rows per * i ... per * (i + 1) - 1 are member i's, each widened with zeros to the longest buffer).
-
-    While the same sessions step together in the same order, a step writes every member's new key with one
-    scatter and attends with one attention over the buffer's first keys, those past each member's visible
-    ones masked out: no per-session writes, no copies. Each member's counters advance exactly as its own update
-    would; its `keys` are its rows cut to its own buffer size, the same array its own update would hold. A
-    member that steps any other way takes its rows back as its own arrays (`_LayerCache._own`)."""
-
-    def __init__(self, caches: Sequence[FullCache | RingCache], per: int):
-        self.members = [weakref.ref(cache) for cache in caches]  # a closed session's caches are not kept alive
-        self.per = per
-        width = max(cache.capacity for cache in caches)
-        self.keys = mx.concatenate([_widened(cache.keys, width) for cache in caches], axis=0)
-        self.values = mx.concatenate([_widened(cache.values, width) for cache in caches], axis=0)
-        for i, cache in enumerate(caches):
-            cache._capacity = cache.capacity
-            cache._keys = cache._values = None
-            cache.group, cache._row = self, i * per
-
-    @staticmethod
-    def of(caches: Sequence[FullCache | RingCache]) -> LayerGroup | None:
-        """The group these caches are, all of it and in this order, if they are one."""
-        group = caches[0].group
-        if group is None or len(group.members) != len(caches):
-            return None
-        if any(cache is not member() or cache.group is not group
-               for cache, member in zip(caches, group.members, strict=True)):
-            return None
-        return group
-
-    def rows(self, cache: FullCache | RingCache) -> tuple[mx.array, mx.array]:
-        rows = slice(cache._row, cache._row + self.per)
-        return self.keys[rows, :, : cache._capacity], self.values[rows, :, : cache._capacity]
-
-    def plans(self) -> list[Plan] | None:
-        """Every member's plan for one more key; None when one would drop keys (a member fresh from a
-        multi-token append), which only its own update does."""
-        plans = [member().plan_one() for member in self.members]
-        return None if any(plan.trim for plan in plans) else plans
-
-    def step(self, q: mx.array, k: mx.array, v: mx.array, plans: list[Plan], scale: float) -> mx.array:
-        """Write k, v (R, H, 1, Dh) at each member's slot, advance every member, attend q over the buffer."""
-        width = max(plan.capacity for plan in plans)
-        if width > self.keys.shape[2]:
-            self.keys, self.values = _widened(self.keys, width), _widened(self.values, width)
-        slots = mx.array(np.repeat([plan.slot for plan in plans], self.per).astype(np.int32))[:, None, None, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, k.shape), k, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, v.shape), v, axis=2)
-        for member, plan in zip(self.members, plans, strict=True):
-            member()._advance(plan)
-        return self.attend(q, [plan.visible for plan in plans], scale)
-
-    def attend(self, q: mx.array, visible: list[int], scale: float) -> mx.array:
-        """q (R, H, 1, Dh) over every member's visible keys: the buffer's first max(visible) keys (a view), the
-        rest of each member's masked out."""
-        width = max(visible)
-        keys, values = self.keys, self.values
-        if width < keys.shape[2]:
-            keys, values = keys[:, :, :width], values[:, :, :width]
-        mask = None if min(visible) == width else _length_mask(tuple(visible), self.per)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-
-
-def _widened(buffer: mx.array, width: int) -> mx.array:
-    """A key buffer (B, H, T, Dh) zero-padded to `width` keys."""
-    if buffer.shape[2] == width:
-        return buffer
-    return mx.pad(buffer, [(0, 0), (0, 0), (0, width - buffer.shape[2]), (0, 0)])
 
 
 @dataclass
@@ -375,15 +251,8 @@ class Attention:
         keys = mx.concatenate([_padded(sk, cache.keys, width) for (sk, _), cache in pairs], axis=0)
         values = mx.concatenate([_padded(sv, cache.values, width) for (_, sv), cache in pairs], axis=0)
         # a single query sees every key of its own cache, as in the solo step; only the padding is masked
-        mask = _length_mask(tuple(lengths), per) if min(lengths) < width else None
+        mask = length_mask(tuple(lengths), per) if min(lengths) < width else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-
-
-@functools.lru_cache(maxsize=8)  # the layers of one kind share a step's mask: built once, not per layer
-def _length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
-    """(len(lengths) * per, 1, 1, max(lengths)) bool: row r sees the first lengths[r // per] keys."""
-    rows = np.repeat(np.asarray(lengths), per)
-    return mx.array(np.arange(max(lengths))[None, :] < rows[:, None])[:, None, None, :]
 
 
 def _padded(seen: mx.array, buffer: mx.array, width: int) -> mx.array:

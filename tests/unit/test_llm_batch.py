@@ -318,3 +318,38 @@ def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, 
     assert all(isinstance(r, ValueError) and "no prompt rows left" in str(r) for r in done)
     for session in sessions:
         engine.close_session(session)
+
+
+def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bit(engines, embeds, monkeypatch):
+    """With the GPU's grouping forced on: sessions that step together again write and read their attention
+    caches as rows of one group per layer; through a tick one sits out (the group re-formed) and a lone step,
+    every logit equals the session's solo run to the bit, and the groups did run."""
+    from services.common.kv_group import LayerGroup
+    from services.llm import nemotron_h
+
+    monkeypatch.setattr(nemotron_h, "grouping", lambda: True)
+    steps = {"grouped": 0}
+    original = LayerGroup.step
+
+    def counted(self, *args):
+        steps["grouped"] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(LayerGroup, "step", counted)
+    engine = engines["4bit"]
+    schedule = [[0, 1, 2]] * 4 + [[0, 2]] + [[0, 1, 2]] * 4 + [[1]] + [[0, 1, 2]] * 3
+    counts = [sum(k in ks for ks in schedule) for k in range(3)]
+    expected = [_solo(engine, embeds, k, counts[k]) for k in range(3)]
+    inputs = [_inputs(embeds, k, counts[k]) for k in range(3)]
+    sessions, got = [_open(engine, k) for k in range(3)], [[] for _ in range(3)]
+    for ks in schedule:
+        steps_now = [(sessions[k], inputs[k][len(got[k])], True, len(got[k])) for k in ks]
+        for k, out in zip(ks, engine.step_batch(steps_now), strict=True):
+            got[k].append(out)
+    for k in range(3):
+        assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in expected[k]]
+        assert max(_max_diff(a, b) for a, b in zip(got[k], expected[k], strict=True)) == 0.0
+    attention_layers = sum(1 for block in engine.model.backbone.blocks if block.kind == "*")
+    assert steps["grouped"] >= 6 * attention_layers  # most batched ticks wrote their groups in place
+    for session in sessions:
+        engine.close_session(session)
