@@ -27,6 +27,7 @@ from services.common.layers import Embedding, Linear
 
 SSM_CHUNK = 256  # positions per block of the chunked state-space form
 KV_STEP = 256  # attention cache grows in blocks of this many positions
+WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
 
 
 def grouping() -> bool:
@@ -34,7 +35,7 @@ def grouping() -> bool:
     kernels and the group saves every session's own write and attention; on the CPU each cache is read in
     place (a group's attention over keys padded to the longest cache costs arithmetic there)."""
     return mx.default_device().type == mx.gpu
-WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
+
 
 # ---- caches ------------------------------------------------------------------------------------------------
 
