@@ -28,7 +28,6 @@ from services.perception.conformer import Conformer, Conv
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
     RNNT,
-    SYMBOLS_PER_READ,
     BatchProposal,
     JointNetwork,
     PredictionNetwork,
@@ -390,7 +389,7 @@ class PerceptionEngine:
         self, streams: list[PerceptionStream], proposal: BatchProposal | None
     ) -> list[tuple[list[int], str]]:
         """`RNNT.finish_transcript` of every session: one host read per round of greedy steps, the sessions
-        whose every step emitted proposing their next steps together (at most max_symbols / 2 rounds)."""
+        whose every step emitted proposing their next steps together, each round twice as deep as the last."""
         rnnt = self.rnnt
         before = [len(s.rnnt.token_ids) for s in streams]
         emitted: list[list[int]] = [[] for _ in streams]
@@ -407,7 +406,8 @@ class PerceptionEngine:
                     more.append(j)
             if not more:
                 break
-            steps = min(SYMBOLS_PER_READ, max(rnnt.max_symbols - len(emitted[active[j]]) for j in more))
+            built = proposal.ids.shape[1]
+            steps = max(rnnt.more_steps(built, rnnt.max_symbols - len(emitted[active[j]])) for j in more)
             enc_proj = proposal.enc_proj if len(more) == len(active) else \
                 proposal.enc_proj[mx.array(more, dtype=mx.int32)]
             active = [active[j] for j in more]

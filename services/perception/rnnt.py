@@ -8,6 +8,7 @@ predictor but are not part of the text.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -122,6 +123,7 @@ class RNNTState:
     token_ids: list[int] = field(default_factory=list)  # non-special emissions, for the transcript
     text: str = ""  # the transcript: `joined` stripped
     joined: str = ""  # pieces joined so far, kept so each frame costs only its own pieces
+    last_emitted: int = 0  # symbols the last decoded frame emitted: how deep the next frame speculates
 
     def __post_init__(self) -> None:
         if self.last_token < 0:
@@ -157,7 +159,7 @@ class BatchProposal:
         return [self.ids, *(a for hs, cs in self.states for a in (*hs, *cs))]
 
 
-SYMBOLS_PER_READ = 2  # greedy steps built per host read: most frames emit none or one symbol
+SYMBOLS_PER_READ = 2  # the fewest greedy steps built per host read: most frames emit none or one symbol
 
 
 @dataclass
@@ -167,31 +169,73 @@ class RNNT:
     vocabulary: list[str]
     blank: int
     max_symbols: int
+    _compiled: dict = field(default_factory=dict, repr=False, compare=False)  # (dtype, has state) -> greedy step
 
     def new_state(self) -> RNNTState:
         return RNNTState(self.blank)
 
+    def first_steps(self, state: RNNTState) -> int:
+        """Greedy steps to build before a frame's first host read: one more than the last frame emitted, at
+        least SYMBOLS_PER_READ, at most max_symbols. A run of busy frames then costs one read a frame, not one per
+        two symbols; the steps past the first blank are computed for nothing, and change no output."""
+        return min(self.max_symbols, max(SYMBOLS_PER_READ, state.last_emitted + 1))
+
+    @staticmethod
+    def more_steps(built: int, left: int) -> int:
+        """Greedy steps to build for a frame whose `built` proposed steps all emitted, `left` symbols allowed:
+        twice as many, so a frame takes a number of reads logarithmic in what it emits."""
+        return min(left, 2 * built)
+
     def propose(self, state: RNNTState, enc_proj: mx.array, steps: int, dtype: mx.Dtype) -> Proposal:
         """Build (without evaluating) `steps` greedy steps from `state`; enc_proj: (1, 1, J) = joint.enc(frame)."""
-        token: int | mx.array | None = None if state.last_token == self.blank else state.last_token
-        lstm = state.lstm
+        if state.last_token == self.blank:
+            x = mx.zeros((1, self.prediction.hidden), dtype=mx.float32)
+        else:
+            x = self.prediction.embed(mx.array([state.last_token], dtype=mx.int32))
+        hs, cs = state.lstm if state.lstm is not None else ([], [])
+        ids, states = self._greedy(enc_proj, x, hs, cs, steps, dtype)
+        return Proposal(enc_proj, mx.concatenate(ids), states)
+
+    def _greedy(
+        self, enc_proj: mx.array, x: mx.array, hs: list[mx.array], cs: list[mx.array], steps: int, dtype: mx.Dtype
+    ) -> tuple[list[mx.array], list[tuple[list[mx.array], list[mx.array]]]]:
+        """`steps` greedy steps of B rows, each assuming the one before emitted: x (B, in) the first step's LSTM
+        input, hs/cs the per-layer (B, H) state (empty lists for none). Returns each step's ids (B,) and the
+        state it leaves (cast to dtype). One compiled function per step (`greedy_step`)."""
         ids, states = [], []
         for _ in range(steps):
-            pred, proposed = self.prediction(token, lstm)
-            best = mx.argmax(self.joint(enc_proj, pred.astype(dtype)))
-            lstm = ([h.astype(dtype) for h in proposed[0]], [c.astype(dtype) for c in proposed[1]])
+            key = (dtype, bool(hs))  # a zero state (a session's first emission still to come) has its own trace
+            if key not in self._compiled:
+                self._compiled[key] = mx.compile(functools.partial(self.greedy_step, dtype))
+            best, x, hs, cs = self._compiled[key](enc_proj, x, hs, cs)
             ids.append(best)
-            states.append(lstm)
-            # a blank here ends the frame and the next step is never accepted; keep its lookup in range
-            token = mx.minimum(best, self.prediction.embed.num_embeddings - 1)
-        return Proposal(enc_proj, mx.stack(ids), states)
+            states.append((hs, cs))
+        return ids, states
+
+    def greedy_step(
+        self, dtype: mx.Dtype, enc_proj: mx.array, x: mx.array, hs: list[mx.array], cs: list[mx.array]
+    ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
+        """One greedy step of B rows: enc_proj (B, 1, J), x (B, in) the LSTM input, hs/cs the per-layer (B, H)
+        state or empty lists for a zero state. Returns the argmax ids (B,) uint32, the next step's LSTM input
+        (the ids' embeddings; a blank's lookup kept in range: a blank ends the frame, so its next step is never
+        accepted) and the new state cast to dtype."""
+        new_h, new_c = [], []
+        for n, layer in enumerate(self.prediction.layers):
+            x, c = layer(x, hs[n] if hs else None, cs[n] if cs else None)
+            new_h.append(x.astype(dtype))
+            new_c.append(c.astype(dtype))
+        logits = self.joint(enc_proj, x[:, None].astype(dtype))  # (B, 1, 1, V + 1)
+        best = mx.argmax(logits.reshape(x.shape[0], -1), axis=-1)
+        following = self.prediction.embed(mx.minimum(best, self.prediction.embed.num_embeddings - 1)
+                                          .astype(mx.int32))
+        return best, following, new_h, new_c
 
     def begin_frame(self, state: RNNTState, frame: mx.array) -> Proposal | None:
         """frame: (1, 1, d_model) encoder output -> the frame's first greedy steps, unevaluated (None when
         max_symbols is 0). Evaluate `proposal.arrays()` with the frame's other outputs, then `end_frame`."""
         if self.max_symbols <= 0:
             return None
-        return self.propose(state, self.joint.enc(frame), min(SYMBOLS_PER_READ, self.max_symbols), frame.dtype)
+        return self.propose(state, self.joint.enc(frame), self.first_steps(state), frame.dtype)
 
     def begin_batch(
         self, states: list[RNNTState], frames: mx.array, lstm: tuple[list[mx.array], list[mx.array]]
@@ -202,7 +246,7 @@ class RNNT:
         and a blank's zero input likewise; only the matmuls over B rows may round differently."""
         if self.max_symbols <= 0:
             return None
-        steps = min(SYMBOLS_PER_READ, self.max_symbols)
+        steps = max(self.first_steps(state) for state in states)
         return self.propose_batch(states, self.joint.enc(frames), lstm, steps, frames.dtype)
 
     def propose_batch(
@@ -210,27 +254,12 @@ class RNNT:
         dtype: mx.Dtype,
     ) -> BatchProposal:
         """`propose` for B sessions at once; enc_proj: (B, 1, J), lstm as in `begin_batch`."""
-        b = enc_proj.shape[0]
         blank = [s.last_token == self.blank for s in states]
         x = self.prediction.embed(mx.array([0 if z else s.last_token for z, s in zip(blank, states, strict=True)],
                                             dtype=mx.int32))
         if any(blank):
             x = mx.where(mx.array(blank)[:, None], 0, x)
-        hs, cs = lstm
-        ids, out = [], []
-        for step in range(steps):
-            if step:  # the previous step's id; a blank's lookup kept in range as in `propose`
-                x = self.prediction.embed(mx.minimum(ids[-1], self.prediction.embed.num_embeddings - 1)
-                                          .astype(mx.int32))
-            new_h, new_c = [], []
-            for layer, h, c in zip(self.prediction.layers, hs, cs, strict=True):
-                x, c = layer(x, h, c)
-                new_h.append(x)
-                new_c.append(c)
-            logits = self.joint(enc_proj, x[:, None].astype(dtype))  # (B, 1, 1, V + 1)
-            ids.append(mx.argmax(logits.reshape(b, -1), axis=-1))
-            hs, cs = [h.astype(dtype) for h in new_h], [c.astype(dtype) for c in new_c]
-            out.append((hs, cs))
+        ids, out = self._greedy(enc_proj, x, *lstm, steps, dtype)
         return BatchProposal(enc_proj, mx.stack(ids, axis=1), out)
 
     def end_frame(self, state: RNNTState, proposal: Proposal | None) -> list[int]:
@@ -242,8 +271,8 @@ class RNNT:
             if not self.accept(state, proposal.ids.tolist(), proposal.states, emitted):
                 break
             dtype = proposal.states[0][0][0].dtype
-            left = self.max_symbols - len(emitted)
-            proposal = self.propose(state, proposal.enc_proj, min(SYMBOLS_PER_READ, left), dtype)
+            steps = self.more_steps(len(proposal.states), self.max_symbols - len(emitted))
+            proposal = self.propose(state, proposal.enc_proj, steps, dtype)
         return emitted
 
     def accept(
@@ -251,7 +280,8 @@ class RNNT:
         emitted: list[int],
     ) -> bool:
         """Accept proposed `ids` up to the first blank (`states[i]`: the LSTM state step i leaves), appending to
-        `emitted`; True when every step emitted and `max_symbols` allows more, so the frame needs more steps."""
+        `emitted` (the frame's emissions so far); True when every step emitted and `max_symbols` allows more, so
+        the frame needs more steps. When False the frame is done: `state.last_emitted` records its count."""
         accepted = ids.index(self.blank) if self.blank in ids else len(ids)
         if accepted:
             state.last_token = ids[accepted - 1]
@@ -260,7 +290,10 @@ class RNNT:
             emitted.append(best)
             if best < len(self.vocabulary) and not is_special_piece(self.vocabulary[best]):
                 state.token_ids.append(best)
-        return accepted == len(ids) and self.max_symbols - len(emitted) > 0
+        more = accepted == len(ids) and self.max_symbols - len(emitted) > 0
+        if not more:
+            state.last_emitted = len(emitted)
+        return more
 
     def decode_frame(self, state: RNNTState, frame: mx.array) -> list[int]:
         """frame: (1, 1, d_model) encoder output. Advances `state`; returns every id emitted on this frame

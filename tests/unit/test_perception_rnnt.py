@@ -131,3 +131,27 @@ def test_proposed_steps_emit_what_one_step_at_a_time_emits(max_symbols):
                 assert mx.array_equal(a, b).item()
         counts.append(len(emitted))
     assert 0 in counts and len(set(counts)) > 1  # blank frames and frames of different lengths
+
+
+def test_a_frame_speculates_as_deep_as_the_last_frame_emitted():
+    """Steps built per read: a first busy frame doubles its rounds (2, 4, then the 4 left: three reads); the next
+    frame builds all ten steps before its one read; after a blank frame, two steps again."""
+    built = []
+
+    def counting(rnnt):
+        propose = rnnt.propose
+
+        def counted(state, enc_proj, steps, dtype):
+            built.append(steps)
+            return propose(state, enc_proj, steps, dtype)
+
+        rnnt.propose = counted
+        return rnnt
+
+    busy, quiet = counting(_rnnt(favoured=3, max_symbols=10)), counting(_rnnt(favoured=None, max_symbols=10))
+    state = busy.new_state()
+    frames = [(busy, [3] * 10, [2, 4, 4]), (busy, [3] * 10, [10]), (quiet, [], [10]), (quiet, [], [2])]
+    for rnnt, emitted, steps in frames:
+        built.clear()
+        assert rnnt.decode_frame(state, FRAME) == emitted
+        assert built == steps
