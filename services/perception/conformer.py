@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import mlx.core as mx
@@ -154,9 +154,15 @@ class RelPosAttention:
         return cls(lin["q"], kv, lin["out"], lin["pos"], weights.get(f"{path}.pos_bias_u"),
                    weights.get(f"{path}.pos_bias_v"), n_heads)
 
-    def __call__(self, x: mx.array, kv: mx.array, pos_emb: mx.array, mask: mx.array | None) -> mx.array:
+    def positions(self, pos_emb: mx.array) -> mx.array:
+        """pos_emb: (1, P, D) sinusoids -> (1, H, P, Dh), their projection split into heads. It depends on the
+        number of keys only, so a stream computes it once per window length."""
+        p = self.pos(pos_emb)
+        return p.reshape(p.shape[0], p.shape[1], self.n_heads, -1).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, kv: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
         """x: (B, Tq, D) queries; kv: (B, Tk, D) keys/values, the last Tq of them aligned with x;
-        pos_emb: (1, 2*Tk - 1, D); mask: additive (Tq, Tk) or None."""
+        p: (1, H, 2*Tk - 1, Dh) `positions` of (1, 2*Tk - 1, D) sinusoids; mask: additive (Tq, Tk) or None."""
         b, tq, d = x.shape
         tk = kv.shape[1]
         h = self.n_heads
@@ -166,8 +172,6 @@ class RelPosAttention:
         k, v = self.kv(kv)
         k = k.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         v = v.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
-        p = self.pos(pos_emb)
-        p = p.reshape(p.shape[0], p.shape[1], h, dh).transpose(0, 2, 1, 3)
         q_u = (q + self.bias_u).transpose(0, 2, 1, 3)
         q_v = (q + self.bias_v).transpose(0, 2, 1, 3)
         bd = rel_shift(q_v @ p.swapaxes(-2, -1))[:, :, :, :tk] * scale
@@ -245,29 +249,30 @@ class ConformerBlock:
             ln("norm_out"),
         )
 
-    def __call__(self, x: mx.array, pos_emb: mx.array, mask: mx.array, conv_pad: tuple[int, int]) -> mx.array:
-        """Whole sequence: x (B, T, D) -> (B, T, D)."""
+    def __call__(self, x: mx.array, positions: mx.array, mask: mx.array, conv_pad: tuple[int, int]) -> mx.array:
+        """Whole sequence: x (B, T, D) -> (B, T, D); positions: this layer's `RelPosAttention.positions`."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
-        x = x + self.attn(xn, xn, pos_emb, mask)
+        x = x + self.attn(xn, xn, positions, mask)
         g = self.conv.gated(self.norm_conv(x))
         x = x + self.conv.finish(mx.pad(g, [(0, 0), conv_pad, (0, 0)]))
         x = x + 0.5 * self.ff2(self.norm_ff2(x))
         return self.norm_out(x)
 
     def step(
-        self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, pos_emb: mx.array, left: int,
+        self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, positions: mx.array, left: int,
         key_mask: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Streaming: x (B, c, D) new frames; attn_cache (B, n, D) earlier attention inputs (n ≤ left);
-        conv_cache (B, k-1, D) earlier GLU outputs; pos_emb (1, 2(n+c)-1, D); key_mask, when some rows' caches
-        are front-padded, additive (B, 1, 1, n+c) hiding those padding keys.
+        conv_cache (B, k-1, D) earlier GLU outputs; positions: this layer's `RelPosAttention.positions` of
+        (1, 2(n+c)-1, D) sinusoids; key_mask, when some rows' caches are front-padded, additive (B, 1, 1, n+c)
+        hiding those padding keys.
         Returns (out (B, c, D), attn_cache', conv_cache')."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
         kv = mx.concatenate([attn_cache, xn], axis=1)
         # the window is exactly the allowed left context, so only padding needs a mask
-        x = x + self.attn(xn, kv, pos_emb, key_mask)
+        x = x + self.attn(xn, kv, positions, key_mask)
         g = self.conv.gated(self.norm_conv(x))
         din = mx.concatenate([conv_cache, g], axis=1)
         x = x + self.conv.finish(din)
@@ -280,6 +285,9 @@ class Conformer:
     cfg: EncoderConfig
     pre_encode: Subsampling
     layers: list[ConformerBlock]
+    # (keys, dtype) -> every layer's projected positions, evaluated: the compiled steps' window length only
+    _positions: dict = field(default_factory=dict, repr=False, compare=False)
+    _dtypes: dict = field(default_factory=dict, repr=False, compare=False)  # mel dtype -> subsampled dtype
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, cfg: EncoderConfig) -> Conformer:
@@ -290,50 +298,78 @@ class Conformer:
         """Whole utterance: mel (1, T, n_mels) -> (1, subsampled_length(T), d_model)."""
         x = self.pre_encode(mel)
         length = x.shape[1]
-        pos_emb = rel_positions(length, self.cfg.d_model, self.cfg.pos_emb_max_len).astype(x.dtype)
         mask = chunked_limited_mask(length, self.cfg.left_context, self.cfg.right_context).astype(x.dtype)
-        for layer in self.layers:
-            x = layer(x, pos_emb, mask, self.cfg.conv_padding)
+        positions = self.project_positions(2 * length - 1, x.dtype)
+        for layer, p in zip(self.layers, positions, strict=True):
+            x = layer(x, p, mask, self.cfg.conv_padding)
         return x
+
+    def project_positions(self, count: int, dtype: mx.Dtype) -> list[mx.array]:
+        """Every layer's `RelPosAttention.positions` of the `count` = 2 * keys - 1 relative positions' sinusoids
+        in `dtype` (unevaluated)."""
+        pos_emb = rel_positions((count + 1) // 2, self.cfg.d_model, self.cfg.pos_emb_max_len).astype(dtype)
+        return [layer.attn.positions(pos_emb) for layer in self.layers]
+
+    def positions(self, keys: int, dtype: mx.Dtype) -> list[mx.array]:
+        """`project_positions` for `keys` keys, evaluated once and kept (the compiled steps take them as
+        inputs: their window length never changes, so every frame would project the same positions again)."""
+        key = (keys, dtype)
+        if key not in self._positions:
+            self._positions[key] = projected = self.project_positions(2 * keys - 1, dtype)
+            mx.eval(projected)
+        return self._positions[key]
 
     def step(
         self, x: mx.array, attn_caches: list[mx.array], conv_caches: list[mx.array],
-        key_mask: mx.array | None = None,
+        key_mask: mx.array | None = None, positions: list[mx.array] | None = None,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """Streaming over all layers: x (B, c, d_model) subsampled frames -> (B, c, d_model) and new caches;
-        key_mask as in `ConformerBlock.step`."""
-        pos_emb = rel_positions(attn_caches[0].shape[1] + x.shape[1], self.cfg.d_model, self.cfg.pos_emb_max_len)
-        pos_emb = pos_emb.astype(x.dtype)
+        key_mask as in `ConformerBlock.step`; positions: `positions(n + c, x.dtype)` (default: projected here)."""
+        if positions is None:
+            positions = self.project_positions(2 * (attn_caches[0].shape[1] + x.shape[1]) - 1, x.dtype)
         new_attn, new_conv = [], []
-        for layer, a, c in zip(self.layers, attn_caches, conv_caches, strict=True):
-            x, a, c = layer.step(x, a, c, pos_emb, self.cfg.left_context, key_mask)
+        for layer, a, c, p in zip(self.layers, attn_caches, conv_caches, positions, strict=True):
+            x, a, c = layer.step(x, a, c, p, self.cfg.left_context, key_mask)
             new_attn.append(a)
             new_conv.append(c)
         return x, new_attn, new_conv
 
     def stream_step(
-        self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array], conv_caches: list[mx.array]
+        self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array], conv_caches: list[mx.array],
+        positions: list[mx.array] | None = None,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One streaming push as a pure function: subsample the mel window (1, W, n_mels), run its encoder
         frames [lo, hi) through every layer. Caches in, (frames (1, hi - lo, d_model), caches') out."""
-        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches)
+        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches, positions=positions)
 
     def padded_stream_step(
         self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array], conv_caches: list[mx.array],
-        key_mask: mx.array,
+        key_mask: mx.array, positions: list[mx.array] | None = None,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """`stream_step` for rows whose attention caches are front-padded to the full left context: key_mask
         (B, 1, 1, left + c) is 0 for a row's real keys and NEG_INF for its padding. Every shape is the full-cache
         one, so sessions whose caches are still filling can step in one batch with any others."""
-        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches, key_mask)
+        return self.step(self.pre_encode(window)[:, lo:hi], attn_caches, conv_caches, key_mask, positions)
+
+    def _kept_positions(self, window: mx.array, lo: int, hi: int, attn_caches: list[mx.array]) -> list[mx.array]:
+        """The kept `positions` a step over this window and these caches uses."""
+        if window.dtype not in self._dtypes:  # a lazy array's dtype is known without evaluating it
+            self._dtypes[window.dtype] = self.pre_encode(window).dtype
+        return self.positions(attn_caches[0].shape[1] + hi - lo, self._dtypes[window.dtype])
 
     @functools.cached_property
     def compiled_padded_stream_step(self):
-        """`padded_stream_step` compiled: traced once per batch size, window shape and (lo, hi)."""
-        return mx.compile(self.padded_stream_step)
+        """`padded_stream_step` compiled, with the kept positions: traced once per batch size, window shape and
+        (lo, hi)."""
+        step = mx.compile(self.padded_stream_step)
+        return lambda window, lo, hi, attn, conv, key_mask: step(window, lo, hi, attn, conv, key_mask,
+                                                                 self._kept_positions(window, lo, hi, attn))
 
     @functools.cached_property
     def compiled_stream_step(self):
-        """`stream_step` compiled: traced once per window shape and (lo, hi), shared by every stream. Streams
-        use it once their attention caches hold the full left context, when every shape stops changing."""
-        return mx.compile(self.stream_step)
+        """`stream_step` compiled, with the kept positions: traced once per window shape and (lo, hi), shared by
+        every stream. Streams use it once their attention caches hold the full left context, when every shape
+        stops changing."""
+        step = mx.compile(self.stream_step)
+        return lambda window, lo, hi, attn, conv: step(window, lo, hi, attn, conv,
+                                                       self._kept_positions(window, lo, hi, attn))

@@ -70,7 +70,7 @@ def test_block_step_with_caches_equals_the_masked_whole_sequence(engine):
     mask = chunked_limited_mask(length, cfg.left_context, cfg.right_context)
     whole = x
     for layer in enc.layers:
-        whole = layer(whole, pos, mask, cfg.conv_padding)
+        whole = layer(whole, layer.attn.positions(pos), mask, cfg.conv_padding)
     attn = [mx.zeros((1, 0, cfg.d_model))] * cfg.n_layers
     conv = [mx.zeros((1, cfg.conv_kernel_size - 1, cfg.d_model))] * cfg.n_layers
     steps = []
@@ -98,16 +98,26 @@ def test_encoder_stream_gives_one_frame_per_80ms_and_tracks_the_offline_encoder(
     assert len(stream.arrays()) == 1 + 2 * cfg.n_layers
 
 
-def test_compiled_streaming_push_equals_the_plain_one_bit_for_bit(tiny_checkpoint):
-    """Past the left context every push runs the compiled step: outputs and transcript as the plain step's."""
+def test_compiled_streaming_push_equals_the_plain_one_bit_for_bit(tiny_checkpoint, monkeypatch):
+    """Past the left context every push runs the compiled step: outputs and transcript as the plain step's. The
+    compiled step projects its positions once, on its first push; the plain one projects them every push."""
     compiled, plain = PerceptionEngine.load(tiny_checkpoint), PerceptionEngine.load(tiny_checkpoint)
     plain.encoder.__dict__["compiled_stream_step"] = plain.encoder.stream_step  # shadows the cached property
     frames = plain.encoder.cfg.left_context + 12
     audio = np.random.default_rng(0).standard_normal((frames, plain.frame_samples)).astype(np.float32) * 0.1
     streams = compiled.open_stream(), plain.open_stream()
-    for chunk in audio:
+    projected = []
+    attention = type(compiled.encoder.layers[0].attn)
+    original = attention.positions
+    monkeypatch.setattr(attention, "positions", lambda self, pos: projected.append(pos.shape) or original(self, pos))
+    for n, chunk in enumerate(audio):
+        if n == plain.encoder.cfg.left_context:  # the filling pushes are over: they project their own
+            projected.clear()
         a, b = (stream.push(chunk) for stream in streams)
         assert mx.array_equal(a.encoder_out, b.encoder_out).item()
         assert mx.array_equal(a.audio_embedding, b.audio_embedding).item()
         assert (a.token_ids, a.transcript) == (b.token_ids, b.transcript)
     assert streams[0].encoder.attn_caches[0].shape[1] == plain.encoder.cfg.left_context
+    keys = plain.encoder.cfg.left_context + 1
+    pushes = frames - plain.encoder.cfg.left_context  # the plain step's, each projecting; one of the compiled's
+    assert projected == [(1, 2 * keys - 1, plain.encoder.cfg.d_model)] * plain.encoder.cfg.n_layers * (pushes + 1)
