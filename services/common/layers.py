@@ -175,32 +175,43 @@ class Embedding:
 
 def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) -> list[mx.array]:
     """Store the float arrays of every `kinds` instance under `module` (dataclass fields, lists and tuples,
-    recursively) in `dtype` when they are narrower: the dense `weight` and `bias`, and a quantized layer's
-    `scales` and `biases`; returns the converted arrays (to evaluate).
+    recursively) in `dtype` when they are narrower: a dense layer's `weight` and `bias`, a quantized layer's
+    `scales`, `biases` and `bias`, or the fields a class names in its `WIDEN`; returns the converted arrays (to
+    evaluate).
 
     MLX converts a narrower weight (or a quantized layer's scales and biases) to the activations' dtype inside
-    every call: a converted copy per call. Stored converted once (exactly: every bf16 value is a float32 value),
-    each call computes with the very values it used before, so outputs are unchanged; the cost is the wider
-    arrays' memory. A `Linear` records the dtype it had (`narrow`) and casts back for inputs of that dtype, so
-    modules that also see narrow activations compute as before too.
+    every call: a converted copy per call, a kernel of its own wherever the consumer is a matmul, a conv or a
+    norm. Stored converted once (exactly: every bf16 value is a float32 value), each call computes with the very
+    values it used before, so outputs are unchanged; the cost is the wider arrays' memory. A module with a
+    `narrow` field records the dtype its arrays had; it computes with them cast back (`as_stored`) for inputs
+    of that dtype, so modules that also see narrow activations compute as before too.
     """
     converted: list[mx.array] = []
     if isinstance(module, kinds):
         quantized = getattr(module, "spec", None) is not None
-        names = [name for name in (("scales", "biases", "bias") if quantized else ("weight", "bias"))
-                 if _narrower(getattr(module, name), dtype)]
-        if isinstance(module, Linear):
-            if len({getattr(module, name).dtype for name in names}) > 1 or (names and module.widened):
-                raise ValueError("widen: a Linear's arrays must share one narrower dtype and be widened once")
+        fields = ("scales", "biases", "bias") if quantized else getattr(module, "WIDEN", ("weight", "bias"))
+        names = [name for name in fields if _narrower(getattr(module, name), dtype)]
+        if hasattr(module, "narrow"):
+            if len({getattr(module, name).dtype for name in names}) > 1 or (names and module.narrow is not None):
+                raise ValueError(f"widen: a {type(module).__name__}'s arrays must share one narrower dtype and be "
+                                 "widened once")
             if names:
-                module.narrow, module.widened = getattr(module, names[0]).dtype, tuple(names)
+                module.narrow = getattr(module, names[0]).dtype
+                if isinstance(module, Linear):
+                    module.widened = tuple(names)
         for name in names:
             setattr(module, name, getattr(module, name).astype(dtype))
             converted.append(getattr(module, name))
-    elif dataclasses.is_dataclass(module) and not isinstance(module, type):
+    if dataclasses.is_dataclass(module) and not isinstance(module, type):
         for field in dataclasses.fields(module):
             converted += widen(getattr(module, field.name), dtype, kinds)
     elif isinstance(module, list | tuple):
         for item in module:
             converted += widen(item, dtype, kinds)
     return converted
+
+
+def as_stored(array: mx.array, narrow: mx.Dtype | None, dtype: mx.Dtype) -> mx.array:
+    """A `widen`ed array as a computation over `dtype` activations saw it before: cast back (exactly) to the
+    `narrow` dtype it was stored in for activations of that dtype, else itself."""
+    return array.astype(narrow) if narrow is not None and dtype == narrow else array

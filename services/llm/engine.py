@@ -22,8 +22,16 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
-from services.common.layers import widen
-from services.llm.nemotron_h import WEIGHT_PREFIXES, DuplexLanguageModel, KVCache, LayerCache
+from services.common.layers import Linear, widen
+from services.llm.nemotron_h import (
+    WEIGHT_PREFIXES,
+    Block,
+    DuplexLanguageModel,
+    KVCache,
+    LayerCache,
+    Mamba2Mixer,
+    NemotronH,
+)
 
 MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
 MAX_FULL_HISTORY_POSITIONS = 4096  # the diagnostic mode recomputes everything each step: keep it bounded
@@ -207,9 +215,10 @@ class LanguageEngine:
         """weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
         batch almost for free on a GPU); None keeps them as stored.
 
-        float32_weights keeps the projections' arrays that their matmuls convert to the float32 activations of
-        every frame step in float32 instead: the dense weights, or a quantized layer's scales and biases (outputs
-        identical; twice those arrays' memory). The bfloat16 prompt prefix computes with them cast back."""
+        float32_weights keeps the arrays that the float32 activations of every frame step convert in each call
+        in float32 instead: the projections' dense weights or a quantized layer's scales and biases, the norms'
+        weights and the Mamba convolutions' (outputs identical; twice those arrays' memory). The bfloat16 prompt
+        prefix computes with them cast back."""
         if weights_dtype not in (None, "stored", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
         checkpoint = Checkpoint(model_dir)
@@ -220,7 +229,8 @@ class LanguageEngine:
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
             if float32_weights:
-                mx.eval(widen([model.backbone, model.lm_head, model.function_head], mx.float32))
+                mx.eval(widen([model.backbone, model.lm_head, model.function_head], mx.float32,
+                              (Linear, Block, NemotronH, Mamba2Mixer)))
                 del weights
                 mx.clear_cache()
         finally:

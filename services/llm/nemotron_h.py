@@ -23,7 +23,7 @@ import mlx.nn as nn
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
 from services.common.kv_group import GroupedCache, LayerGroup, Plan
-from services.common.layers import Embedding, Linear
+from services.common.layers import Embedding, Linear, as_stored
 
 SSM_CHUNK = 256  # positions per block of the chunked state-space form
 KV_STEP = 256  # attention cache grows in blocks of this many positions
@@ -180,6 +180,8 @@ def ssm_step(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array
 class Mamba2Mixer:
     """in_proj -> [gate | conv input | dt]; depthwise causal conv + SiLU; selective scan; gated RMSNorm; out_proj."""
 
+    WIDEN = ("conv_weight",)  # the other small arrays meet the activations in fused elementwise kernels
+
     in_proj: Linear
     conv_weight: mx.array  # (conv_dim, K, 1)
     conv_bias: mx.array | None
@@ -194,6 +196,7 @@ class Mamba2Mixer:
     state_size: int
     eps: float
     limits: tuple[float, float]
+    narrow: mx.Dtype | None = None  # the dtype conv_weight was stored in, once `widen` kept it wider
 
     @classmethod
     def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> Mamba2Mixer:
@@ -239,7 +242,7 @@ class Mamba2Mixer:
             prev = cache.conv if cache.conv is not None else mx.zeros((u.shape[0], tail, self.conv_dim), u.dtype)
             padded = mx.concatenate([prev, u], axis=1)
             cache.conv = padded[:, -tail:, :]
-        y = mx.conv1d(padded, self.conv_weight, 1, 0, 1, self.conv_dim)
+        y = mx.conv1d(padded, as_stored(self.conv_weight, self.narrow, padded.dtype), 1, 0, 1, self.conv_dim)
         if self.conv_bias is not None:
             y = y + self.conv_bias
         return nn.silu(y)
@@ -345,13 +348,19 @@ class SquaredReluMLP:
 class Block:
     """Pre-norm residual block: x + mixer(rms_norm(x)); kind is 'M', '*' or '-'."""
 
+    WIDEN = ("norm_weight",)
+
     kind: str
     norm_weight: mx.array
     mixer: Mamba2Mixer | Attention | SquaredReluMLP
     eps: float
+    narrow: mx.Dtype | None = None  # the dtype norm_weight was stored in, once `widen` kept it wider
+
+    def norm(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, as_stored(self.norm_weight, self.narrow, x.dtype), self.eps)
 
     def __call__(self, x: mx.array, cache: LayerCache = None) -> mx.array:
-        h = mx.fast.rms_norm(x, self.norm_weight, self.eps)
+        h = self.norm(x)
         h = self.mixer(h) if self.kind == "-" else self.mixer(h, cache)
         return x + h
 
@@ -360,9 +369,12 @@ class Block:
 class NemotronH:
     """The hybrid stack on injected embeddings, ending in norm_f."""
 
+    WIDEN = ("norm_f",)
+
     blocks: list[Block]
     norm_f: mx.array
     eps: float
+    narrow: mx.Dtype | None = None  # the dtype norm_f was stored in, once `widen` kept it wider
 
     @classmethod
     def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> NemotronH:
@@ -389,7 +401,7 @@ class NemotronH:
         return self.final_norm(x)
 
     def final_norm(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.norm_f, self.eps)
+        return mx.fast.rms_norm(x, as_stored(self.norm_f, self.narrow, x.dtype), self.eps)
 
 
 @dataclass
@@ -510,7 +522,7 @@ class CachedStep:
                 x = block(x)
         if end < len(blocks):
             attention = blocks[end]
-            return (x, *attention.mixer.project(mx.fast.rms_norm(x, attention.norm_weight, attention.eps))), updated
+            return (x, *attention.mixer.project(attention.norm(x))), updated
         if not heads:
             return (), updated
         text_logits, function_logits = model.heads(model.backbone.final_norm(x))

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from services.common.checkpoint import Weights
 from services.common.config import EncoderConfig
-from services.common.layers import Linear, Projections
+from services.common.layers import Linear, Projections, as_stored
 
 NEG_INF = -1e30
 # Causal 3x3 stride-2 convs pad (kernel - 1) before and (stride - 1) after, on time and frequency.
@@ -78,13 +78,15 @@ class LayerNorm:
     weight: mx.array
     bias: mx.array
     eps: float = 1e-5
+    narrow: mx.Dtype | None = None  # the dtype weight and bias were stored in, once `widen` kept them wider
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str) -> LayerNorm:
         return cls(weights.get(f"{path}.weight"), weights.get(f"{path}.bias"))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.layer_norm(x, self.weight, self.bias, self.eps)
+        weight, bias = (as_stored(a, self.narrow, x.dtype) for a in (self.weight, self.bias))
+        return mx.fast.layer_norm(x, weight, bias, self.eps)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, widen
-from services.perception.conformer import Conformer, Conv
+from services.perception.conformer import Conformer, Conv, LayerNorm
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
     RNNT,
@@ -179,10 +179,10 @@ class PerceptionEngine:
         joint = JointNetwork.from_weights(weights, "stt_model.rnnt_joint", audio.joint.activation)
         rnnt = RNNT(prediction, joint, _vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
         if float32_weights:
-            # The encoder, projection and joint always compute in float32 (mel in): keep their matmul and conv
-            # weights in float32 rather than have every call convert them (outputs are identical; the converted
-            # weights take twice the memory). The LSTM's input may be a bf16 row: it stays as stored.
-            mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv)))
+            # The encoder, projection and joint always compute in float32 (mel in): keep their matmul, conv and
+            # norm weights in float32 rather than have every call convert them (outputs are identical; the
+            # converted weights take twice the memory). The LSTM's input may be a bf16 row: it stays as stored.
+            mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv, LayerNorm)))
         del weights
         mx.clear_cache()  # the buffers of the weights joined or converted at load go back to the device
         return cls(config, encoder, proj, rnnt)

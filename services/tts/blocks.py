@@ -15,22 +15,31 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from services.common.checkpoint import Weights
-from services.common.layers import Linear, Projections
+from services.common.layers import Linear, Projections, as_stored
 
 
 @dataclass
 class GemmaRMSNorm:
-    """rms_norm(x) * (1 + w), with 1 + w computed in the weight's dtype; x: (..., D)."""
+    """rms_norm(x) * scale, where scale = 1 + w is computed once, in the weight's dtype; x: (..., D)."""
 
-    weight: mx.array
+    WIDEN = ("scale",)
+
+    scale: mx.array
     eps: float
+    narrow: mx.Dtype | None = None  # the dtype scale had, once `widen` kept it wider
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, eps: float) -> GemmaRMSNorm:
-        return cls(weights.get(f"{path}.weight"), eps)
+        return cls.of(weights.get(f"{path}.weight"), eps)
+
+    @classmethod
+    def of(cls, weight: mx.array, eps: float) -> GemmaRMSNorm:
+        scale = 1.0 + weight
+        mx.eval(scale)  # a constant of every call, not an addition in each
+        return cls(scale, eps)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        return mx.fast.rms_norm(x, as_stored(self.scale, self.narrow, x.dtype), self.eps)
 
 
 @dataclass

@@ -29,8 +29,9 @@ from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
-from services.common.layers import widen
+from services.common.layers import Linear, widen
 from services.tts.backbone import FullCache, RingCache
+from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
 from services.tts.rng import SessionKey, take_batch
 from services.tts.step import CompiledStep
@@ -73,10 +74,10 @@ class TTSEngine:
             tts = config.tts_config
             model = EarTts.from_weights(weights, "tts_model.tts_model", tts)
             # These compute in float32 (the character encoder and the text projection run in the table's bf16):
-            # with float32_weights their weights are kept in float32 rather than converted by every call
-            # (identical outputs, twice the memory for them).
-            wide = (widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32)
-                    if float32_weights else [])
+            # with float32_weights their weights and norm scales are kept in float32 rather than converted by
+            # every call (identical outputs, twice the memory for them).
+            wide = (widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32,
+                          (Linear, GemmaRMSNorm)) if float32_weights else [])
             latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
             if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
                 raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "

@@ -107,3 +107,34 @@ def test_widened_layers_compute_as_before_for_float32_and_narrow_inputs(quantize
         wide.widened = ("weight",)
         wide.bias = wide.bias.astype(mx.bfloat16)
         widen(wide, mx.float32)
+
+
+def test_widened_norms_compute_as_before_for_float32_and_narrow_inputs():
+    """The norms `widen` keeps in float32 (the fields their classes name in `WIDEN`) give float32 inputs the
+    numbers their promoted bf16 arrays gave, and bf16 inputs the bf16 computation, bit for bit."""
+    from services.common.layers import widen
+    from services.llm.nemotron_h import Block, NemotronH
+    from services.perception.conformer import LayerNorm
+    from services.tts.blocks import GemmaRMSNorm
+
+    d = 64
+    kinds = (LayerNorm, GemmaRMSNorm, Block, NemotronH)
+    arrays = [_dense(1, d)[0] for _ in range(2)]
+    makers = [  # (build from the same bf16 arrays, the norm to call)
+        (lambda: LayerNorm(*arrays), lambda m: m),
+        (lambda: GemmaRMSNorm.of(arrays[0], 1e-6), lambda m: m),
+        (lambda: Block("-", arrays[0], Linear(_dense(d, d)), 1e-5), lambda m: m.norm),
+        (lambda: NemotronH([], arrays[1], 1e-5), lambda m: m.final_norm),
+    ]
+    for make, norm in makers:
+        plain, wide = make(), make()
+        converted = widen(wide, mx.float32, kinds)
+        assert converted and all(a.dtype == mx.float32 for a in converted) and wide.narrow == mx.bfloat16
+        for dtype in (mx.float32, mx.bfloat16):
+            x = mx.array(RNG.standard_normal((3, d)).astype(np.float32)).astype(dtype)
+            got, want = norm(wide)(x), norm(plain)(x)
+            assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+        with pytest.raises(ValueError, match="widened once"):
+            for name in getattr(wide, "WIDEN", ("weight", "bias")):
+                setattr(wide, name, getattr(wide, name).astype(mx.bfloat16))
+            widen(wide, mx.float32, kinds)

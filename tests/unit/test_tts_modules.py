@@ -19,7 +19,7 @@ def _rms_norm_np(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-@pytest.mark.parametrize("norm_cls", [OffsetRMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("norm_cls", [OffsetRMSNorm, GemmaRMSNorm.of])
 def test_offset_rms_norm_equals_rms_norm_with_weight_plus_one(norm_cls):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 16)).astype(np.float32)
