@@ -1,7 +1,7 @@
 """Per-stage cost of one 80 ms frame, each network's engine called in this process.
 
     python -m bench.stages --model DIR [--frames N] [--warmup W] [--count-syncs | --count-kernels | --split-eval]
-                           [--json]
+                           [--float32-weights] [--json]
 
 Drives each engine's streaming path the way an online session does (perception push of 1280 samples, one
 language step, one speech step, one codec frame decode) on the bundled question plus silence, one stage at a
@@ -222,10 +222,11 @@ def frames_of(frames: int) -> np.ndarray:
 
 
 def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_kernels: bool = False,
-        split_eval: bool = False) -> dict:
+        split_eval: bool = False, float32_weights: bool = False) -> dict:
     t0 = time.perf_counter()
-    perception, language = PerceptionEngine.load(model), LanguageEngine.load(model)
-    speech, codec = TTSEngine.load(model), CodecEngine.load(model)
+    wide = {"float32_weights": float32_weights}
+    perception, language = PerceptionEngine.load(model, **wide), LanguageEngine.load(model, **wide)
+    speech, codec = TTSEngine.load(model, **wide), CodecEngine.load(model)
     load_s = time.perf_counter() - t0
     audio = frames_of(frames + warmup)
     stream = perception.open_stream()
@@ -302,11 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-eval", action="store_true",
                         help="split each stage's time into inside evaluations and host reads (MLX dispatch and "
                              "device waits) and outside them (Python building the graph)")
+    parser.add_argument("--float32-weights", action="store_true",
+                        help="load perception, language and speech as their services' --float32-weights does")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.count_syncs + args.count_kernels + args.split_eval > 1:
         parser.error("--count-syncs, --count-kernels and --split-eval: choose one (each wraps mx.eval)")
-    report = run(args.model, args.frames, args.warmup, args.count_syncs, args.count_kernels, args.split_eval)
+    report = run(args.model, args.frames, args.warmup, args.count_syncs, args.count_kernels, args.split_eval,
+                 args.float32_weights)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
