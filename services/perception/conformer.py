@@ -176,7 +176,10 @@ class RelPosAttention:
         v = v.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         q_u = (q + self.bias_u).transpose(0, 2, 1, 3)
         q_v = (q + self.bias_v).transpose(0, 2, 1, 3)
-        bd = rel_shift(q_v @ p.swapaxes(-2, -1))[:, :, :, :tk] * scale
+        bd = q_v @ p.swapaxes(-2, -1)
+        if tq > 1:  # one query's row needs no shift: rel_shift leaves a single row as it is
+            bd = rel_shift(bd)
+        bd = bd[:, :, :, :tk] * scale
         if mask is not None:
             bd = bd + mask
         o = mx.fast.scaled_dot_product_attention(q_u, k, v, scale=scale, mask=bd)

@@ -181,8 +181,10 @@ class PerceptionEngine:
         if float32_weights:
             # The encoder, projection and joint always compute in float32 (mel in): keep their matmul, conv and
             # norm weights in float32 rather than have every call convert them (outputs are identical; the
-            # converted weights take twice the memory). The LSTM's input may be a bf16 row: it stays as stored.
-            mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv, LayerNorm)))
+            # converted weights take twice the memory). The LSTM's input may be a bf16 row (an embedding): it
+            # keeps its arrays as stored and float32 copies for its float32 inputs.
+            mx.eval(widen([encoder, proj, joint], mx.float32, (Linear, Conv, LayerNorm)),
+                    [a for layer in prediction.layers for a in layer.keep_float32()])
         del weights
         mx.clear_cache()  # the buffers of the weights joined or converted at load go back to the device
         return cls(config, encoder, proj, rnnt)

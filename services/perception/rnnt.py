@@ -44,12 +44,24 @@ class LSTMLayer:
     Wx: mx.array
     Wh: mx.array
     bias: mx.array
+    wide: tuple[mx.array, mx.array, mx.array] | None = None  # (Wx, Wh, bias) in float32, from `keep_float32`
+
+    def keep_float32(self) -> list[mx.array]:
+        """Also keep float32 copies of the arrays, for the matmuls whose input is float32 (MLX would convert the
+        narrower arrays in every such call; the copies hold the same values). A bf16 input (an embedding row)
+        still computes with the arrays as stored. Returns the copies, to evaluate."""
+        self.wide = tuple(a.astype(mx.float32) for a in (self.Wx, self.Wh, self.bias))
+        return list(self.wide)
+
+    def _for(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.wide if self.wide is not None and x.dtype == mx.float32 else (self.Wx, self.Wh, self.bias)
 
     def __call__(self, x: mx.array, h: mx.array | None, c: mx.array | None) -> tuple[mx.array, mx.array]:
         """One time step: x (B, in), h/c (B, H) or None for a zero state -> (h', c')."""
-        gates = mx.addmm(self.bias, x, self.Wx.T)
+        Wx, _, bias = self._for(x)
+        gates = mx.addmm(bias, x, Wx.T)
         if h is not None:
-            gates = mx.addmm(gates, h, self.Wh.T)
+            gates = mx.addmm(gates, h, self._for(h)[1].T)
         i, f, g, o = mx.split(gates, 4, axis=-1)
         i, f, g, o = mx.sigmoid(i), mx.sigmoid(f), mx.tanh(g), mx.sigmoid(o)
         c = i * g if c is None else f * c + i * g

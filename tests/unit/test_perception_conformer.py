@@ -50,6 +50,8 @@ def test_rel_shift_on_a_hand_indexed_example():
     x = mx.array([[[[10 * i + p for p in range(5)] for i in range(3)]]], dtype=mx.float32)
     out = np.array(rel_shift(x))[0, 0, :, :3]
     assert out.tolist() == [[2, 3, 4], [11, 12, 13], [20, 21, 22]]
+    one = mx.array(np.arange(7, dtype=np.float32).reshape(1, 1, 1, 7))  # one query: the attention skips the shift
+    assert mx.array_equal(rel_shift(one), one).item()
 
 
 def test_rel_positions_centre_row_is_position_zero():

@@ -155,3 +155,23 @@ def test_a_frame_speculates_as_deep_as_the_last_frame_emitted():
         built.clear()
         assert rnnt.decode_frame(state, FRAME) == emitted
         assert built == steps
+
+
+def test_an_lstm_with_float32_copies_computes_as_before_for_bf16_and_float32_inputs():
+    """The float32 copies serve float32 inputs exactly as MLX's own conversion of the bf16 arrays does, and a
+    bf16 input still computes in bf16 with the arrays as stored."""
+    rng = np.random.default_rng(5)
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    plain = LSTMLayer(arr(4 * H, H), arr(4 * H, H), arr(4 * H))
+    copied = LSTMLayer(plain.Wx, plain.Wh, plain.bias)
+    assert all(a.dtype == mx.float32 for a in copied.keep_float32())
+    for x_dtype in (mx.bfloat16, mx.float32):
+        x = arr(3, H).astype(x_dtype)
+        state = (arr(3, H).astype(mx.float32), arr(3, H).astype(mx.float32))
+        for h, c in ((None, None), state):
+            got, want = copied(x, h, c), plain(x, h, c)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and mx.array_equal(a, b).item()
