@@ -3,7 +3,7 @@
 Two norms on purpose: the Gemma-3 backbone adds one to its weight in the weight's own dtype (bf16), while
 the subword encoder, fusion and MoG head run the norm in float32 and cast back:
 
-    >>> OffsetRMSNorm(mx.zeros((4,)), 1e-6)(mx.ones((1, 4)))  # weight 0 means scale 1
+    >>> OffsetRMSNorm.of(mx.zeros((4,)), 1e-6)(mx.ones((1, 4)))  # weight 0 means scale 1
     array([[1, 1, 1, 1]], dtype=float32)
 """
 
@@ -44,18 +44,24 @@ class GemmaRMSNorm:
 
 @dataclass
 class OffsetRMSNorm:
-    """rms_norm(x) * (1 + w) computed in float32, returned in x's dtype; x: (..., D)."""
+    """rms_norm(x) * scale computed in float32, where scale = 1 + w in float32 is computed once; returned in x's
+    dtype; x: (..., D)."""
 
-    weight: mx.array
+    scale: mx.array
     eps: float
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, eps: float) -> OffsetRMSNorm:
-        return cls(weights.get(f"{path}.weight"), eps)
+        return cls.of(weights.get(f"{path}.weight"), eps)
+
+    @classmethod
+    def of(cls, weight: mx.array, eps: float) -> OffsetRMSNorm:
+        scale = 1.0 + weight.astype(mx.float32)
+        mx.eval(scale)  # a constant of every call, not a conversion and an addition in each
+        return cls(scale, eps)
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = mx.fast.rms_norm(x.astype(mx.float32), 1.0 + self.weight.astype(mx.float32), self.eps)
-        return out.astype(x.dtype)
+        return mx.fast.rms_norm(x.astype(mx.float32), self.scale, self.eps).astype(x.dtype)
 
 
 @dataclass

@@ -19,7 +19,7 @@ def _rms_norm_np(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-@pytest.mark.parametrize("norm_cls", [OffsetRMSNorm, GemmaRMSNorm.of])
+@pytest.mark.parametrize("norm_cls", [OffsetRMSNorm.of, GemmaRMSNorm.of])
 def test_offset_rms_norm_equals_rms_norm_with_weight_plus_one(norm_cls):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 16)).astype(np.float32)
@@ -32,7 +32,7 @@ def test_offset_rms_norm_equals_rms_norm_with_weight_plus_one(norm_cls):
 
 def test_offset_rms_norm_keeps_the_input_dtype_and_computes_in_float32():
     x = mx.array([[1.0, 2.0, 3.0, 4.0]], dtype=mx.bfloat16)
-    out = OffsetRMSNorm(mx.zeros((4,), dtype=mx.bfloat16), 1e-6)(x)
+    out = OffsetRMSNorm.of(mx.zeros((4,), dtype=mx.bfloat16), 1e-6)(x)
     assert out.dtype == mx.bfloat16
     expected = _rms_norm_np(np.array([[1.0, 2.0, 3.0, 4.0]]), 1.0, 1e-6)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, rtol=1e-2)
