@@ -139,3 +139,17 @@ def test_kernel_counter_counts_each_evaluated_operation_once_and_no_views():
     assert counter.take() == {"kernels": 3, "top": {"Add": 2, "Multiply": 1}}
     mx.eval(x + 1)
     assert counter.take()["kernels"] == 0  # nothing counted once uninstalled
+
+
+def test_perception_bench_times_a_push_whole_and_in_parts(tiny_checkpoint, capsys):
+    from bench import perception
+
+    assert perception.main(["--model", str(tiny_checkpoint), "--frames", "3", "--warmup", "14",
+                            "--count-kernels", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"push", "parts", *perception.PARTS} <= set(report)
+    assert all(0 < report[name]["p50_ms"] <= report[name]["p95_ms"] for name in ("push", *perception.PARTS))
+    assert report["reads_per_frame"] >= 1  # the RNNT reads its first greedy steps once a frame at least
+    assert report["symbols_per_frame"] >= 0
+    kernels = report["kernels_per_frame"]
+    assert set(kernels) == set(perception.PARTS) and all(k > 0 for k in kernels.values())
