@@ -29,12 +29,10 @@ import numpy as np
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
 from orchestrator.connect import (
     ServiceError,
-    add_deadline_flags,
+    UsageError,
+    add_connection_flags,
     connect,
-    deadlines_from_args,
-    parse_service_flags,
-    parse_services,
-    service_flags,
+    connection_from_args,
 )
 from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
@@ -50,54 +48,10 @@ from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.server import DEFAULT_GRACE_S
 
 
-class UsageError(ValueError):
-    """A command line that cannot run; reported in one line."""
-
-
-def _checked(parse):
-    """An argparse type from a parser that raises ValueError: its message becomes the usage error."""
-    def typed(text: str):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    typed.__name__ = parse.__name__
-    return typed
-
-
-def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="converted checkpoint folder (default $VOICECHAT_MODEL, else the demo)")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--services", type=_checked(parse_services),
-                       metavar="perception=HOST:PORT,llm=...,tts=...,codec=...",
-                       help="use running services instead of starting them")
-    where.add_argument("--in-process", action="store_true", help="run the engines in this process")
-    parser.add_argument("--service-flags", type=_checked(parse_service_flags), action="append", metavar="NAME=FLAGS",
-                        help="extra flags for a service this command starts (NAME: perception, llm, tts, codec or "
-                             "all; repeatable), e.g. --service-flags llm='--weights-dtype bfloat16' "
-                             "--service-flags all='--precompile-batches 16'")
-    parser.add_argument("--mps", action="store_true",
-                        help="the services this command starts share the GPU through a CUDA MPS daemon started for "
-                             "them and stopped after (NVIDIA GPUs; needs nvidia-cuda-mps-control): their kernels run "
-                             "side by side instead of taking turns")
-    add_deadline_flags(parser)
-
-
-def connection(args: argparse.Namespace) -> dict:
-    """Where the services are, as `connect` / `connect_streams` take it."""
-    for flag, given in (("--service-flags", args.service_flags), ("--mps", args.mps)):
-        if given and (args.services is not None or args.in_process):
-            raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
-                             "or --in-process")
-    return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags), "mps": args.mps}
-
-
 def _add_turn_flags(parser: argparse.ArgumentParser, extra_help: str) -> None:
     """What `offline` and `stream` share: the input file, where the networks run, prompt, seed, trailing silence."""
     parser.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
-    _add_connection_flags(parser)
+    add_connection_flags(parser)
     parser.add_argument("-p", "--system-prompt", default=None, help="system prompt (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
     parser.add_argument("--extra-decoding-seconds", type=float, default=3.0, help=extra_help)
@@ -137,7 +91,7 @@ def _add_stream_parser(commands) -> None:
 
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="the gRPC conversation service (one duplex stream per conversation)")
-    _add_connection_flags(serve)
+    add_connection_flags(serve)
     serve.add_argument("--host", default="[::]", help="address to bind (default [::])")
     serve.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
     serve.add_argument("--max-sessions", type=int, default=4, help="concurrent conversations (default 4)")
@@ -214,7 +168,7 @@ def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.nd
 def offline(args: argparse.Namespace) -> int:
     model, config, waveform, decoder = prepare_turn(args)
     prompt = config.default_system_prompt if args.system_prompt is None else args.system_prompt
-    with connect(model, **connection(args)) as clients:
+    with connect(model, **connection_from_args(args)) as clients:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)
     text = decoder.decode(result.text_tokens)
     function_text = decoder.decode(result.function_tokens)
@@ -258,7 +212,7 @@ def stream(args: argparse.Namespace) -> int:
             sys.stdout.write(event.delta)
             sys.stdout.flush()
 
-    with connect_streams(model, **connection(args)) as clients:
+    with connect_streams(model, **connection_from_args(args)) as clients:
         session = OnlineSession(clients, config, decoder, system_prompt=args.system_prompt, seed=args.seed,
                                 max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                                 profile=args.profile, record=bool(args.dump), on_event=show,
@@ -349,7 +303,7 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(str(exc)) from None
     try:
-        with connect_streams(model, **connection(args)) as clients:
+        with connect_streams(model, **connection_from_args(args)) as clients:
             realtime = None
             if not args.no_realtime:
                 factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)

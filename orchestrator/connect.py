@@ -87,6 +87,53 @@ def deadlines_from_args(args: argparse.Namespace) -> Deadlines:
     return Deadlines(open_s=args.open_timeout, frame_s=args.frame_timeout)
 
 
+class UsageError(ValueError):
+    """A command line that cannot run; reported in one line."""
+
+
+def checked(parse):
+    """An argparse type from a parser that raises ValueError: its message becomes the usage error."""
+    def typed(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the networks run: --model, --services or --in-process, --service-flags and --mps for the services
+    the command starts, and the deadlines."""
+    parser.add_argument("--model", help="converted checkpoint folder (default $VOICECHAT_MODEL, else the demo)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--services", type=checked(parse_services),
+                       metavar="perception=HOST:PORT,llm=...,tts=...,codec=...",
+                       help="use running services instead of starting them")
+    where.add_argument("--in-process", action="store_true", help="run the engines in this process")
+    parser.add_argument("--service-flags", type=checked(parse_service_flags), action="append", metavar="NAME=FLAGS",
+                        help="extra flags for a service this command starts (NAME: perception, llm, tts, codec or "
+                             "all; repeatable), e.g. --service-flags llm='--weights-dtype bfloat16' "
+                             "--service-flags all='--precompile-batches 16'")
+    parser.add_argument("--mps", action="store_true",
+                        help="the services this command starts share the GPU through a CUDA MPS daemon started for "
+                             "them and stopped after (NVIDIA GPUs; needs nvidia-cuda-mps-control): their kernels run "
+                             "side by side instead of taking turns")
+    add_deadline_flags(parser)
+
+
+def connection_from_args(args: argparse.Namespace) -> dict:
+    """Where the services are, as `connect` / `connect_streams` take it, from `add_connection_flags`' flags;
+    UsageError for flags that cannot go together."""
+    for flag, given in (("--service-flags", args.service_flags), ("--mps", args.mps)):
+        if given and (args.services is not None or args.in_process):
+            raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
+                             "or --in-process")
+    return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
+            "flags": service_flags(args.service_flags), "mps": args.mps}
+
+
 @contextlib.contextmanager
 def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
             mps: bool = False) -> Iterator[dict[str, str]]:

@@ -634,14 +634,11 @@ def _parse(frame: str | bytes) -> dict | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orchestrator.connect import add_deadline_flags
+    from orchestrator.connect import add_connection_flags
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.realtime",
                                      description="Serve /v1/realtime alone (orchestrator serve runs it too).")
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: $VOICECHAT_MODEL, else demo)")
-    parser.add_argument("--services", default=None, help="perception=HOST:PORT,llm=...,tts=...,codec=...")
-    parser.add_argument("--in-process", action="store_true", help="run the four engines inside this process")
-    add_deadline_flags(parser)
+    add_connection_flags(parser)
     parser.add_argument("--alias", default=None, help="model id session.updated reports (default: folder name)")
     add_realtime_flags(parser, port_flag="--port")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
@@ -690,7 +687,7 @@ def server_from_args(args: argparse.Namespace, factory: SessionFactory,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from orchestrator.connect import deadlines_from_args, parse_services
+    from orchestrator.connect import connection_from_args
     from orchestrator.model import resolve_model
     from orchestrator.stream_clients import connect_streams
 
@@ -699,11 +696,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics("orchestrator")
     exposition = None
     try:
-        services = parse_services(args.services) if args.services else None
+        connection = connection_from_args(args)
         model = resolve_model(args.model)
         exposition = start_from_args(metrics, args, args.realtime_host)  # a busy port fails before any service
-        with connect_streams(model, services=services, in_process=args.in_process,
-                             deadlines=deadlines_from_args(args)) as clients:
+        with connect_streams(model, **connection) as clients:
             server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
                                                                      pipelined=args.realtime_pipelined), metrics)
 

@@ -378,3 +378,24 @@ def test_the_flags_configure_the_server():
     for bad in (["--realtime-port", "70000"], ["--realtime-max-sessions", "0"], ["--idle-timeout", "0"]):
         with pytest.raises(ValueError):
             server_from_args(parser.parse_args(bad), FakeFactory())
+
+
+def test_the_standalone_server_takes_the_connection_flags_of_orchestrator_serve(capsys, monkeypatch):
+    """`python -m orchestrator.realtime` starts its services with --service-flags and --mps as `serve` does, and
+    refuses them with running services in one line, before it starts anything."""
+    from orchestrator import realtime
+    from orchestrator.connect import connection_from_args
+
+    started = []
+    monkeypatch.setattr("orchestrator.stream_clients.connect_streams", lambda *a, **k: started.append(k))
+    args = realtime.build_parser().parse_args(["--service-flags", "all=--precompile-batches 4",
+                                               "--service-flags", "llm=--float32-weights", "--mps"])
+    connection = connection_from_args(args)
+    assert connection["mps"] and connection["services"] is None
+    assert connection["flags"]["llm"] == ["--precompile-batches", "4", "--float32-weights"]
+    assert connection["flags"]["codec"] == ["--precompile-batches", "4"]
+    running = "perception=a:1,llm=a:2,tts=a:3,codec=a:4"
+    assert realtime.main(["--services", running, "--mps", "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --mps is for services this command starts; it cannot go with --services or --in-process"]
+    assert started == []
