@@ -15,7 +15,7 @@ state-space form for sequences, and a single-position recurrence whose ops reduc
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,19 +105,19 @@ def _cumulative_log_decay(a: mx.array) -> mx.array:
     return mx.cumsum(tiled, axis=-2)
 
 
-def ssm_sequence(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+def ssm_sequence(x: mx.array, A: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
                  dt_bias: mx.array, state: mx.array | None, limits: tuple[float, float],
                  chunk: int = SSM_CHUNK) -> tuple[mx.array, mx.array]:
     """Chunked (quadratic within a chunk, recurrent across chunks) selective scan.
 
-    x: (B, L, H, P); B, C: (B, L, G, N); dt: (B, L, H); state: (B, H, P, N) or None.
+    x: (B, L, H, P); A: (H,) the decay rates, -exp(A_log); B, C: (B, L, G, N); dt: (B, L, H); state: (B, H, P, N)
+    or None.
     Returns y: (B, L, H, P) in x's dtype and the final state (B, H, P, N) float32."""
     b, length, heads, p = x.shape
     groups, n = B.shape[2], B.shape[3]
     per_group = heads // groups
     dt = time_steps(dt, dt_bias, limits)
-    decay_rate = -mx.exp(A_log).astype(dt.dtype)
-    log_decay = dt * decay_rate.reshape(1, 1, -1)  # (B, L, H)
+    log_decay = dt * A.astype(dt.dtype).reshape(1, 1, -1)  # (B, L, H)
     scaled_x = dt.reshape(b, length, heads, 1) * x  # (B, L, H, P)
 
     outputs = []
@@ -146,18 +146,19 @@ def ssm_sequence(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.a
     return y, state
 
 
-def ssm_step(x: mx.array, A_log: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
+def ssm_step(x: mx.array, A: mx.array, B: mx.array, C: mx.array, D: mx.array, dt: mx.array,
              dt_bias: mx.array, state: mx.array | None, limits: tuple[float, float]) -> tuple[mx.array, mx.array]:
     """One position of the recurrence: h' = exp(dt A) h + dt x B^T;  y = h' C + D x.
 
-    x: (B, 1, H, P); B, C: (B, 1, G, N); dt: (B, 1, H); state: (B, H, P, N) or None (zeros).
+    x: (B, 1, H, P); A: (H,) as in `ssm_sequence`; B, C: (B, 1, G, N); dt: (B, 1, H); state: (B, H, P, N) or
+    None (zeros).
     y is computed as (C.B) dt x + exp(dt A) (h C), the factorisation the chunked form takes for one
     position, so both forms give the same bits on a single step."""
     b, _, heads, p = x.shape
     groups, n = B.shape[2], B.shape[3]
     per_group = heads // groups
     dt = time_steps(dt, dt_bias, limits)
-    log_decay = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)  # (B, 1, H)
+    log_decay = dt * A.astype(dt.dtype).reshape(1, 1, -1)  # (B, 1, H)
     scaled_x = dt.reshape(b, 1, heads, 1) * x  # (B, 1, H, P)
     b_col = B.reshape(b, groups, n, 1)
     cb = mx.repeat(C.reshape(b, groups, 1, n) @ b_col, per_group, axis=1)  # (B, H, 1, 1)
@@ -197,6 +198,11 @@ class Mamba2Mixer:
     eps: float
     limits: tuple[float, float]
     narrow: mx.Dtype | None = None  # the dtype conv_weight was stored in, once `widen` kept it wider
+    decay_rate: mx.array = field(init=False, repr=False)  # A = -exp(A_log): a constant, computed once
+
+    def __post_init__(self) -> None:
+        self.decay_rate = -mx.exp(self.A_log)
+        mx.eval(self.decay_rate)
 
     @classmethod
     def from_weights(cls, w: Weights, path: str, cfg: TextConfig) -> Mamba2Mixer:
@@ -266,9 +272,9 @@ class Mamba2Mixer:
         state = cache.ssm if cache is not None else None
         d = self.D.astype(xs.dtype)
         if cache is not None and length == 1:
-            y, state = ssm_step(xs, self.A_log, bs, cs, d, dt, self.dt_bias, state, self.limits)
+            y, state = ssm_step(xs, self.decay_rate, bs, cs, d, dt, self.dt_bias, state, self.limits)
         else:
-            y, state = ssm_sequence(xs, self.A_log, bs, cs, d, dt, self.dt_bias, state, self.limits)
+            y, state = ssm_sequence(xs, self.decay_rate, bs, cs, d, dt, self.dt_bias, state, self.limits)
         if cache is not None:
             cache.ssm = state
         y = self._gated_norm(y.reshape(b, length, self.inner), gate)

@@ -27,7 +27,7 @@ def _ssm_inputs(seed, b=2, length=12, heads=4, p=3, groups=2, n=5):
         return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
 
     return dict(
-        x=arr(b, length, heads, p), A_log=arr(heads, scale=0.5), B=arr(b, length, groups, n),
+        x=arr(b, length, heads, p), A=-mx.exp(arr(heads, scale=0.5)), B=arr(b, length, groups, n),
         C=arr(b, length, groups, n), D=arr(heads), dt=arr(b, length, heads), dt_bias=arr(heads, scale=0.3),
     )
 
@@ -36,7 +36,7 @@ def _step_through(inputs, state):
     ys = []
     for t in range(inputs["x"].shape[1]):
         y, state = ssm_step(
-            inputs["x"][:, t : t + 1], inputs["A_log"], inputs["B"][:, t : t + 1], inputs["C"][:, t : t + 1],
+            inputs["x"][:, t : t + 1], inputs["A"], inputs["B"][:, t : t + 1], inputs["C"][:, t : t + 1],
             inputs["D"], inputs["dt"][:, t : t + 1], inputs["dt_bias"], state, NO_LIMIT,
         )
         ys.append(y)
@@ -66,7 +66,7 @@ def test_single_step_equals_the_chunked_form_bit_for_bit_on_one_position():
 
 def test_single_step_by_hand():
     # One head, one channel, one state: dt = softplus(0.5 + 0.2), A = -exp(log 2) = -2.
-    args = dict(x=mx.array([[[[3.0]]]]), A_log=mx.array([math.log(2.0)]), B=mx.array([[[[0.5]]]]),
+    args = dict(x=mx.array([[[[3.0]]]]), A=-mx.exp(mx.array([math.log(2.0)])), B=mx.array([[[[0.5]]]]),
                 C=mx.array([[[[-1.5]]]]), D=mx.array([0.25]), dt=mx.array([[[0.5]]]), dt_bias=mx.array([0.2]))
     y, state = ssm_step(**args, state=mx.array([[[[4.0]]]]), limits=NO_LIMIT)
     dt = math.log1p(math.exp(0.7))
