@@ -181,7 +181,9 @@ def ssm_step(x: mx.array, A: mx.array, B: mx.array, C: mx.array, D: mx.array, dt
 class Mamba2Mixer:
     """in_proj -> [gate | conv input | dt]; depthwise causal conv + SiLU; selective scan; gated RMSNorm; out_proj."""
 
-    WIDEN = ("conv_weight",)  # the other small arrays meet the activations in fused elementwise kernels
+    # conv_weight meets the activations in a conv, D in a cast of its own; the other small arrays meet them in
+    # fused elementwise kernels
+    WIDEN = ("conv_weight", "D")
 
     in_proj: Linear
     conv_weight: mx.array  # (conv_dim, K, 1)
@@ -197,7 +199,7 @@ class Mamba2Mixer:
     state_size: int
     eps: float
     limits: tuple[float, float]
-    narrow: mx.Dtype | None = None  # the dtype conv_weight was stored in, once `widen` kept it wider
+    narrow: mx.Dtype | None = None  # the dtype conv_weight and D were stored in, once `widen` kept them wider
     decay_rate: mx.array = field(init=False, repr=False)  # A = -exp(A_log): a constant, computed once
 
     def __post_init__(self) -> None:
