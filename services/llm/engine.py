@@ -217,8 +217,8 @@ class LanguageEngine:
 
         float32_weights keeps the arrays that the float32 activations of every frame step convert in each call
         in float32 instead: the projections' dense weights or a quantized layer's scales and biases, the norms'
-        weights and the Mamba convolutions' (outputs identical; twice those arrays' memory). The bfloat16 prompt
-        prefix computes with them cast back."""
+        weights, the Mamba convolutions' weights and D (outputs identical; twice those arrays' memory). The
+        bfloat16 prompt prefix computes with them cast back."""
         if weights_dtype not in (None, "stored", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
         checkpoint = Checkpoint(model_dir)
