@@ -304,15 +304,15 @@ class Conformer:
         x = self.pre_encode(mel)
         length = x.shape[1]
         mask = chunked_limited_mask(length, self.cfg.left_context, self.cfg.right_context).astype(x.dtype)
-        positions = self.project_positions(2 * length - 1, x.dtype)
+        positions = self.project_positions(length, x.dtype)
         for layer, p in zip(self.layers, positions, strict=True):
             x = layer(x, p, mask, self.cfg.conv_padding)
         return x
 
-    def project_positions(self, count: int, dtype: mx.Dtype) -> list[mx.array]:
-        """Every layer's `RelPosAttention.positions` of the `count` = 2 * keys - 1 relative positions' sinusoids
-        in `dtype` (unevaluated)."""
-        pos_emb = rel_positions((count + 1) // 2, self.cfg.d_model, self.cfg.pos_emb_max_len).astype(dtype)
+    def project_positions(self, keys: int, dtype: mx.Dtype) -> list[mx.array]:
+        """Every layer's `RelPosAttention.positions` of the 2 * keys - 1 relative positions' sinusoids in `dtype`
+        (unevaluated)."""
+        pos_emb = rel_positions(keys, self.cfg.d_model, self.cfg.pos_emb_max_len).astype(dtype)
         return [layer.attn.positions(pos_emb) for layer in self.layers]
 
     def positions(self, keys: int, dtype: mx.Dtype) -> list[mx.array]:
@@ -320,7 +320,7 @@ class Conformer:
         inputs: their window length never changes, so every frame would project the same positions again)."""
         key = (keys, dtype)
         if key not in self._positions:
-            self._positions[key] = projected = self.project_positions(2 * keys - 1, dtype)
+            self._positions[key] = projected = self.project_positions(keys, dtype)
             mx.eval(projected)
         return self._positions[key]
 
@@ -331,7 +331,7 @@ class Conformer:
         """Streaming over all layers: x (B, c, d_model) subsampled frames -> (B, c, d_model) and new caches;
         key_mask as in `ConformerBlock.step`; positions: `positions(n + c, x.dtype)` (default: projected here)."""
         if positions is None:
-            positions = self.project_positions(2 * (attn_caches[0].shape[1] + x.shape[1]) - 1, x.dtype)
+            positions = self.project_positions(attn_caches[0].shape[1] + x.shape[1], x.dtype)
         new_attn, new_conv = [], []
         for layer, a, c, p in zip(self.layers, attn_caches, conv_caches, positions, strict=True):
             x, a, c = layer.step(x, a, c, p, self.cfg.left_context, key_mask)
