@@ -51,18 +51,19 @@ class Clock:
         self.times: dict[str, list[float]] = collections.defaultdict(list)
         self.kernels: collections.Counter[str] = collections.Counter()
         self.timed = False
-        self._last = 0.0
+        self._first = self._last = 0.0
 
     def start(self, timed: bool) -> None:
-        self.timed, self._last = timed, time.perf_counter()
-        self._first = self._last
+        self.timed = timed
+        self._first = self._last = time.perf_counter()
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
         if self.timed:
             self.times[name].append((now - self._last) * 1000.0)
         if self.counter is not None:
-            self.kernels[name] += sum(self.counter.counts.values()) if self.timed else 0
+            if self.timed:
+                self.kernels[name] += sum(self.counter.counts.values())
             self.counter.counts.clear()
         self._last = now
 
