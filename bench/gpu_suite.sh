@@ -14,8 +14,8 @@
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
 #              as stored, in bf16, and in bf16 with --float32-weights)
-#   live       SESSIONS and 1 live conversations through `orchestrator serve` (bench.load); after each, every
-#              service's batch sizes and memory from its /metrics (ports 9101-9104)
+#   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
+#              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports 9101-9104)
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
@@ -27,6 +27,9 @@
 # the GPU through an MPS daemon of their own, `--mps`; no device setting changes). MLX settings exported before
 # the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
 # conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds).
+# PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
+# microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
+# `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -127,10 +130,12 @@ for _ in $(seq 1 450); do
   sleep 2
 done
 if [ $ready -eq 1 ]; then
-  for k in "$sessions" 1; do
-    step "live-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
-      --pace live --settle-seconds "${SETTLE_SECONDS:-0}"
-    scrape "live-$k"
+  for pace in ${PACES:-live}; do
+    for k in "$sessions" 1; do
+      step "$pace-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
+        --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json"
+      scrape "$pace-$k"
+    done
   done
 else
   echo "== orchestrator serve did not become ready:"

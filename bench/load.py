@@ -1,7 +1,7 @@
 """Hold K concurrent conversations against a running orchestrator and report what the clients saw.
 
     python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
-                         [--address HOST:PORT] [--realtime URL] [--input WAV] [--json]
+                         [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH] [--json]
 
 Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
 stopped after. Each conversation sends S seconds of speech (the input looped, each conversation from its own
@@ -11,7 +11,9 @@ flushes. No conversation sends past --duration seconds after its start (a bounde
 
 Reported per transport: conversations, frames delivered, frames per second over the run, the interval between a
 conversation's consecutive audio frames (p50/p95), first-audio latency (from the first chunk sent to the first
-audio frame back, p50), errors, and lost frames (frames sent but never answered).
+audio frame back, p50), errors, and lost frames (frames sent but never answered). `--timeline PATH` also writes
+when each conversation sent its first chunk and received each audio frame (seconds from the run's start, JSON),
+to see when and where the intervals vary.
 """
 
 from __future__ import annotations
@@ -221,6 +223,16 @@ class LoadReport:
     outcomes: list[Outcome]
     wall_s: float
     settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles
+    start: float = 0.0  # monotonic time the run started
+
+    def timeline(self) -> dict:
+        """Each conversation's first chunk sent and audio frames received, in seconds from the run's start."""
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - self.start, 6)
+
+        return {"wall_s": self.wall_s, "conversations": [
+            {"transport": o.transport, "first_sent_s": since(o.first_sent),
+             "arrivals_s": [since(t) for t in o.arrivals]} for o in self.outcomes]}
 
     def rows(self) -> dict[str, dict]:
         table = {}
@@ -253,7 +265,7 @@ async def run_load(*, grpc_address: str | None, realtime_url: str | None, grpc_c
     tasks = [grpc_conversation(grpc_address, c, pace=pace, duration_s=duration_s) for c in grpc_conversations]
     tasks += [realtime_conversation(realtime_url, c, pace=pace, duration_s=duration_s) for c in ws_conversations]
     outcomes = await asyncio.gather(*tasks)
-    return LoadReport(list(outcomes), time.monotonic() - start)
+    return LoadReport(list(outcomes), time.monotonic() - start, start=start)
 
 
 @contextlib.contextmanager
@@ -315,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-seconds", type=float, default=0.0,
                         help="leave each conversation's first S seconds of frames out of the interval percentiles "
                              "(its opening: the prompt, the first frames of every conversation starting together)")
+    parser.add_argument("--timeline", type=Path, help="write each conversation's send and arrival times (JSON)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
@@ -339,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         with orchestrator(args.model, max(args.grpc, args.ws)) as (address, url):
             report = run(args.address or address, args.realtime or url)
     report.settle_frames = round(args.settle_seconds / FRAME_S)
+    if args.timeline is not None:
+        args.timeline.write_text(json.dumps(report.timeline()))
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "transports": report.rows()}, indent=2))
     else:

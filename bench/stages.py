@@ -187,8 +187,8 @@ class KernelCounter:
         mx.eval = self._original
 
     def take(self) -> dict[str, int]:
-        """{"kernels": n, "top": the five most frequent primitives} since the last take, then reset."""
-        report = {"kernels": sum(self.counts.values()), "top": dict(self.counts.most_common(5))}
+        """{"kernels": n, "top": every primitive's count, most frequent first} since the last take, then reset."""
+        report = {"kernels": sum(self.counts.values()), "top": dict(self.counts.most_common())}
         self.counts.clear()
         return report
 
@@ -266,7 +266,8 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_
                 top.update(row["top"])
             stages[name]["kernels"] = {"mean": statistics.fmean(row["kernels"] for row in rows),
                                        "max": max(row["kernels"] for row in rows),
-                                       "top": [name for name, _ in top.most_common(5)]}
+                                       "top": [name for name, _ in top.most_common(5)],
+                                       "per_frame": {name: count / len(rows) for name, count in top.most_common()}}
     elif split_eval:
         for name, rows in syncs.items():
             inside = [row["inside_ms"] for row in rows]

@@ -106,16 +106,34 @@ class Conv:
     def __call__(self, x: mx.array) -> mx.array:
         if self.weight.ndim == 4:
             y = mx.conv2d(x, self.weight, self.stride, 0, 1, self.groups)
+        elif self._one_depthwise_step(x):
+            # a streaming frame's depthwise conv: its window times the taps, summed over time (the conv's own
+            # result bit for bit on the CPU, without a convolution primitive)
+            y = (x * self.weight[:, :, 0].T).sum(axis=1, keepdims=True)
         else:
             y = mx.conv1d(x, self.weight, self.stride, 0, 1, self.groups)
         return y + self.bias if self.bias is not None else y
+
+    def _one_depthwise_step(self, x: mx.array) -> bool:
+        """A 1-D depthwise conv (one input channel per group) whose input spans exactly one kernel window."""
+        channels, kernel, per_group = self.weight.shape
+        return per_group == 1 and self.groups == channels and self.stride == 1 and x.shape[1] == kernel
+
+
+def pointwise(weights: Weights, path: str) -> Linear:
+    """A 1x1 conv as the Linear it computes over the channel axis: weight `(O, 1[, 1], I)` read as `(O, I)`. The
+    same result as the conv bit for bit on the CPU, as a GEMM rather than a convolution primitive."""
+    conv = Conv.from_weights(weights, path)
+    if any(size != 1 for size in conv.weight.shape[1:-1]):
+        raise ValueError(f"{path}: a pointwise conv needs a 1x1 kernel, got weight shape {conv.weight.shape}")
+    return Linear(conv.weight.reshape(conv.weight.shape[0], conv.weight.shape[-1]), conv.bias)
 
 
 @dataclass
 class Subsampling:
     """Causal depthwise-striding 8x subsampling: mel (B, T, F) -> (B, T', d_model)."""
 
-    convs: list[tuple[Conv, bool, bool]]  # (conv, pad before it, ReLU after it)
+    convs: list[tuple[Conv | Linear, bool, bool]]  # (conv, pad before it, ReLU after it); 1x1 convs as Linear
     out: Linear
 
     @classmethod
@@ -125,7 +143,7 @@ class Subsampling:
         for i in range(cfg.subsampling_steps - 1):  # conv.2/3, conv.5/6, ... (ReLUs hold no weights)
             base = 2 + 3 * i
             convs.append((Conv.from_weights(weights, f"{path}.conv.{base}", stride=SUB_STRIDE, groups=ch), True, False))
-            convs.append((Conv.from_weights(weights, f"{path}.conv.{base + 1}"), False, True))
+            convs.append((pointwise(weights, f"{path}.conv.{base + 1}"), False, True))
         return cls(convs, Linear.from_weights(weights, f"{path}.out"))
 
     def __call__(self, mel: mx.array) -> mx.array:
@@ -204,18 +222,18 @@ class FeedForward:
 class ConvModule:
     """pointwise (D -> 2D) -> GLU -> causal depthwise (k) -> LayerNorm -> SiLU -> pointwise (D -> D)."""
 
-    pointwise1: Conv
+    pointwise1: Linear  # the 1x1 convs as matmuls (`pointwise`)
     depthwise: Conv
     norm: LayerNorm
-    pointwise2: Conv
+    pointwise2: Linear
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, d_model: int) -> ConvModule:
         return cls(
-            Conv.from_weights(weights, f"{path}.pointwise_conv1"),
+            pointwise(weights, f"{path}.pointwise_conv1"),
             Conv.from_weights(weights, f"{path}.depthwise_conv", groups=d_model),
             LayerNorm.from_weights(weights, f"{path}.batch_norm"),  # a LayerNorm despite the key name
-            Conv.from_weights(weights, f"{path}.pointwise_conv2"),
+            pointwise(weights, f"{path}.pointwise_conv2"),
         )
 
     def gated(self, x: mx.array) -> mx.array:

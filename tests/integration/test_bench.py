@@ -59,6 +59,9 @@ def test_stage_bench_counts_kernels_per_stage(tiny_checkpoint, capsys):
         kernels = row["kernels"]
         assert kernels["mean"] > 0 and kernels["max"] >= kernels["mean"] and len(kernels["top"]) <= 5, name
         assert not set(kernels["top"]) & stages.KernelCounter.VIEWS
+        per_frame = kernels["per_frame"]  # every primitive's mean count, most frequent first
+        assert list(per_frame)[: len(kernels["top"])] == kernels["top"], name
+        assert sum(per_frame.values()) == pytest.approx(kernels["mean"]), name
     with pytest.raises(SystemExit):
         stages.main(["--model", str(tiny_checkpoint), "--count-kernels", "--count-syncs"])
 

@@ -64,3 +64,14 @@ def test_settling_leaves_each_conversations_opening_out_of_the_intervals():
     row = report.rows()["grpc"]
     assert row["interval_p95_ms"] == pytest.approx(80.0) and row["interval_p50_ms"] == pytest.approx(80.0)
     assert row["frames"] == 8 and row["frames_per_s"] == 4.0  # throughput still counts every frame
+
+
+def test_the_timeline_gives_each_conversations_times_from_the_runs_start(tmp_path):
+    from bench.load import LoadReport, Outcome
+
+    one = Outcome("grpc", frames=2, arrivals=[10.5, 10.58], first_sent=10.25)
+    silent = Outcome("ws")
+    timeline = LoadReport([one, silent], wall_s=1.0, start=10.0).timeline()
+    assert timeline == {"wall_s": 1.0, "conversations": [
+        {"transport": "grpc", "first_sent_s": 0.25, "arrivals_s": [0.5, 0.58]},
+        {"transport": "ws", "first_sent_s": None, "arrivals_s": []}]}

@@ -1,11 +1,21 @@
 """FastConformer pieces on hand-checkable cases, and the streaming door against the whole-sequence door."""
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.checkpoint import Weights
 from services.common.config import EncoderConfig
-from services.perception.conformer import chunked_limited_mask, rel_positions, rel_shift, subsampled_length
+from services.perception.conformer import (
+    Conv,
+    chunked_limited_mask,
+    pointwise,
+    rel_positions,
+    rel_shift,
+    subsampled_length,
+)
 from services.perception.engine import PerceptionEngine
 from services.perception.streaming import EncoderStream
 
@@ -27,6 +37,28 @@ def test_subsampling_output_shape_follows_the_length_rule(engine):
     cfg = engine.encoder.cfg
     out = engine.encoder.pre_encode(mx.zeros((1, 128, cfg.feat_in)))
     assert out.shape == (1, 17, cfg.d_model)
+
+
+def test_pointwise_convs_as_matmuls_and_one_depthwise_step_equal_the_convs_bit_for_bit():
+    mx.random.seed(3)
+    stored = {"pw1.weight": mx.random.normal((48, 1, 32)).astype(mx.bfloat16), "pw1.bias": mx.random.normal((48,)),
+              "pw2.weight": mx.random.normal((16, 1, 1, 8)), "pw2.bias": mx.random.normal((16,)),
+              "dw.weight": mx.random.normal((32, 9, 1)), "dw.bias": mx.random.normal((32,)),
+              "wide.weight": mx.random.normal((16, 3, 8))}
+    weights = Weights(SimpleNamespace(path="test", quant_spec=lambda module: None), stored)
+    x = mx.random.normal((2, 5, 32))
+    one_d = pointwise(weights, "pw1")
+    assert mx.array_equal(one_d(x), mx.conv1d(x, stored["pw1.weight"]) + stored["pw1.bias"])
+    grid = mx.random.normal((1, 3, 4, 8))  # (B, T, F, C): the subsampling's 2-D pointwise conv
+    assert mx.array_equal(pointwise(weights, "pw2")(grid), mx.conv2d(grid, stored["pw2.weight"]) + stored["pw2.bias"])
+    depthwise = Conv.from_weights(weights, "dw", groups=32)
+    for steps in (1, 4):  # one output step takes the multiply-and-sum form, longer inputs the conv
+        window = mx.random.normal((3, 8 + steps, 32))
+        out = depthwise(window)
+        assert out.shape == (3, steps, 32)
+        assert mx.array_equal(out, mx.conv1d(window, stored["dw.weight"], groups=32) + stored["dw.bias"])
+    with pytest.raises(ValueError, match="1x1 kernel"):
+        pointwise(weights, "wide")
 
 
 def test_mask_allows_exactly_self_and_the_left_context():
