@@ -37,7 +37,7 @@ from orchestrator.connect import (
 from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
-from orchestrator.session import FRAMES_AHEAD, ContextLimitError, OnlineSession, transcript_vocabulary
+from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import connect_streams
 from orchestrator.text import TextDecoder
 from orchestrator.timeline import OfflineResult, append_silence, run_offline
@@ -98,10 +98,6 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-streaming-seconds", type=float, default=600.0,
                        help="upper bound on one conversation's input audio (default 600)")
     serve.add_argument("--sequential", action="store_true", help="run each session's stages without pipelining")
-    serve.add_argument("--frames-ahead", type=int, default=FRAMES_AHEAD, metavar="N",
-                       help="pipelined: at most N of a conversation's frames in its stages at once, so audio sent "
-                            "faster than real time does not run the first stages ahead of the last (default "
-                            f"{FRAMES_AHEAD}; 0: no bound)")
     serve.add_argument("--drain-seconds", type=float, default=DEFAULT_GRACE_S,
                        help="on SIGTERM: new conversations are refused and running ones get this many seconds, then "
                             f"end with an error (default {DEFAULT_GRACE_S:g})")
@@ -300,8 +296,6 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
-    if args.frames_ahead < 0:
-        raise UsageError(f"--frames-ahead {args.frames_ahead}: must be zero (no bound) or more")
     model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration)
     try:  # bound before the services start: a busy port fails at once
@@ -316,8 +310,8 @@ def serve(args: argparse.Namespace) -> int:
                 realtime = server_from_args(args, factory, metrics)
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
-                       frames_ahead=args.frames_ahead or None, realtime=realtime, drain_seconds=args.drain_seconds,
-                       metrics=metrics, metrics_server=exposition)
+                       realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
+                       metrics_server=exposition)
     finally:
         if exposition is not None:
             exposition.stop()

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.clients import ServiceError
-from orchestrator.session import FRAMES_AHEAD, ContextLimitError, Event, OnlineSession, transcript_vocabulary
+from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import StreamClients
 from orchestrator.text import TextDecoder
 from protos.voicechat.v1 import conversation_pb2 as pb
@@ -106,8 +106,7 @@ async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool
 
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
-                 max_streaming_seconds: float = 600.0, pipelined: bool = True,
-                 frames_ahead: int | None = FRAMES_AHEAD, metrics: Metrics | None = None):
+                 max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None):
         self.clients = clients
         self.config = VoiceChatConfig.load(model_dir)
         self.metrics = metrics or Metrics("orchestrator")
@@ -117,7 +116,6 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.max_sessions = max_sessions
         self.max_streaming_seconds = max_streaming_seconds
         self.pipelined = pipelined
-        self.frames_ahead = frames_ahead  # each conversation's frames in its stages at once (OnlineSession)
         self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
         self.draining = False  # set by drain(): new conversations are refused
         self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
@@ -182,8 +180,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     session = await asyncio.to_thread(
                         OnlineSession, self.clients, self.config, self.decoder,
                         system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
-                        pipelined=self.pipelined, frames_ahead=self.frames_ahead, on_event=deliver,
-                        rnnt_vocabulary=self.vocabulary)
+                        pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary)
                 except ServiceError as exc:
                     if not exc.refused_input:  # a service down or failing: this conversation cannot go on
                         yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
@@ -329,8 +326,8 @@ def registrations(servicer: ConversationServicer):
 
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
-               frames_ahead: int | None = FRAMES_AHEAD, realtime=None, drain_seconds: float = DEFAULT_GRACE_S,
-               metrics: Metrics | None = None, metrics_server: MetricsServer | None = None) -> None:
+               realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
+               metrics_server: MetricsServer | None = None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
@@ -338,8 +335,7 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
-                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined,
-                                     frames_ahead=frames_ahead, metrics=metrics)
+                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics)
 
     def on_ready(running: RunningServer) -> None:
         announce(running)

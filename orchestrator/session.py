@@ -16,11 +16,9 @@ The system prompt prefix advances the timeline when the sessions open (language 
 steps) and emits nothing. Only forward edges cross services, so the pipelined mode runs the stages side by side
 (perception of t+2 while language runs t+1 and speech t). Each stage sends a frame's request as soon as the
 frame reaches it, up to `send_ahead` frames before their answers are taken, so its service has the next request
-when it finishes one. At most `frames_ahead` frames are in the stages at once: with audio buffered ahead (a
-client sending faster than real time), the first stages would otherwise run far ahead of the last, taking the
-device in bursts from the stages behind them, and the frames would come out in bursts. Every stage still takes
-frames in order, and the events of frame t come out when its last stage is done, in frame order. The sequential
-mode runs the same stages one after another; both give identical events.
+when it finishes one. Every stage still takes frames in order, and the events of frame t come out when its last
+stage is done, in frame order. The sequential mode runs the same stages one after another; both give identical
+events.
 
 Per frame the events are, in order: user_transcript_delta, assistant_text_delta, function_delta, audio.
 """
@@ -122,34 +120,26 @@ def transcript_vocabulary(model_dir: str | Path, config: VoiceChatConfig) -> lis
     return _vocabulary(config, Path(model_dir))
 
 
-FRAMES_AHEAD = 8  # pipelined: frames in the stages at once, two for each of the four stages (send_ahead)
-
-
 class OnlineSession:
     """One conversation's timeline over four service streams. Drive it from one thread at a time."""
 
     def __init__(self, clients: StreamClients, config: VoiceChatConfig, decoder: TextDecoder, *,
                  system_prompt: str | None = None, seed: int = 0, max_streaming_seconds: float | None = None,
-                 pipelined: bool = True, send_ahead: int = 2, frames_ahead: int | None = FRAMES_AHEAD,
-                 profile: bool = False, record: bool = False, on_event: Callable[[Event], None] | None = None,
-                 clock: Clock | None = None, rnnt_vocabulary: list[str] | None = None):
+                 pipelined: bool = True, send_ahead: int = 2, profile: bool = False, record: bool = False,
+                 on_event: Callable[[Event], None] | None = None, clock: Clock | None = None,
+                 rnnt_vocabulary: list[str] | None = None):
         if max_streaming_seconds is not None and not max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {max_streaming_seconds}")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         if send_ahead < 1:
             raise ValueError(f"send_ahead must be at least 1, got {send_ahead}")
-        if frames_ahead is not None and frames_ahead < 1:
-            raise ValueError(f"frames_ahead must be at least 1 (or None: unbounded), got {frames_ahead}")
         self.config = config
         self.sample_rate = config.input_sample_rate
         self.frame_samples = config.input_frame_samples
         self.max_frames = None if max_streaming_seconds is None else int(max_streaming_seconds / config.frame_duration)
         self.pipelined = pipelined
         self.send_ahead = send_ahead  # pipelined: frames a stage may have sent and not yet answered
-        self.frames_ahead = frames_ahead  # pipelined: frames in the stages at once (None: as many as pushed)
-        self._in_stages = 0  # frames the first stage took up and the last has not finished
-        self._admission = threading.Condition()
         self.clock = clock or MonotonicClock()
         self.profile = Profile(config.frame_duration * 1000.0, pipelined) if profile else None
         self.records: list[FrameRecord] | None = [] if record else None
@@ -264,7 +254,6 @@ class OnlineSession:
         if self.closed:
             return []
         self._cancelled.set()
-        self._wake_admission()
         self._pending = np.zeros(0, np.float32)
         self._stop_workers()
         self.closed = True
@@ -275,7 +264,6 @@ class OnlineSession:
     def close(self) -> None:
         """Free every service session now (a vanished client); no event. Idempotent."""
         self._cancelled.set()
-        self._wake_admission()
         self._stop_workers()
         self.closed = True
         self._close_streams()
@@ -327,32 +315,8 @@ class OnlineSession:
               ("tts", "_send_speech", "_take_speech"),
               ("codec", "_send_codec", "_take_codec"))
 
-    def _admit(self, f: _Frame) -> None:
-        """Hold frame f at the first stage while `frames_ahead` frames are in the stages (or the session ends)."""
-        if self.frames_ahead is None:
-            return
-        with self._admission:
-            self._admission.wait_for(lambda: self._in_stages < self.frames_ahead or self._dropping(f.index))
-            if not self._dropping(f.index):
-                self._in_stages += 1
-
-    def _dropping(self, index: int) -> bool:
-        """Frame `index` will not be finished: the session was cancelled, or a frame at or before it failed."""
-        return self._cancelled.is_set() or (self._failed_at is not None and index >= self._failed_at)
-
-    def _left_stages(self) -> None:
-        with self._admission:
-            self._in_stages -= 1
-            self._admission.notify()
-
-    def _wake_admission(self) -> None:
-        """A frame held at the first stage may now be dropped: let it see so."""
-        with self._admission:
-            self._admission.notify_all()
-
     def _finish(self, f: _Frame) -> None:
         """The frame's events, in the reference's order; runs in frame order (last stage, one thread)."""
-        self._left_stages()
         if self._cancelled.is_set():
             return
         events: list[Event] = []
@@ -413,7 +377,6 @@ class OnlineSession:
         """Two threads a stage: one sends each frame's request as the frame arrives, one takes the answers in
         order and hands the frame on."""
         self._inboxes = [queue.SimpleQueue() for _ in self.STAGES]
-        self._in_stages = 0  # every frame of the previous workers, if any, finished or was dropped
         for i, (name, send, take) in enumerate(self.STAGES):
             sent: queue.SimpleQueue = queue.SimpleQueue()
             room = threading.Semaphore(self.send_ahead)
@@ -434,8 +397,6 @@ class OnlineSession:
                 if item is _STOP:
                     return
                 continue
-            if name == "perception":
-                self._admit(item)
             if self._cancelled.is_set() or (self._failed_at is not None and item.index >= self._failed_at):
                 continue  # drain without work until the stop marker comes through; earlier frames finish
             room.acquire()
@@ -499,7 +460,6 @@ class OnlineSession:
         with self._lock:
             if self._failed_at is None or index < self._failed_at:  # the earliest frame's failure wins
                 self._error, self._failed_at = exc, index
-        self._wake_admission()
 
     def _raise_failure(self) -> None:
         if self._error is not None:
