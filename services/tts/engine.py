@@ -33,6 +33,7 @@ from services.common.layers import Linear, widen
 from services.tts.backbone import FullCache, RingCache
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
+from services.tts.mog import MoGHead
 from services.tts.rng import SessionKey, take_batch
 from services.tts.step import CompiledStep
 from services.tts.subword import CharTable
@@ -77,7 +78,7 @@ class TTSEngine:
             # with float32_weights their weights and norm scales are kept in float32 rather than converted by
             # every call (identical outputs, twice the memory for them).
             wide = (widen([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head], mx.float32,
-                          (Linear, GemmaRMSNorm)) if float32_weights else [])
+                          (Linear, GemmaRMSNorm, MoGHead)) if float32_weights else [])
             latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
             if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
                 raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "
@@ -92,7 +93,8 @@ class TTSEngine:
                 control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
                 max_prefix_steps=max_prefix_steps,
             )
-            mx.eval(weights.arrays, model.code_rows, model.code_starts, model.books, model.book_norms, wide)
+            mx.eval(weights.arrays, model.code_rows, model.code_starts, model.picked_starts, model.books,
+                    model.book_norms, wide)
             del weights
             mx.clear_cache()  # the buffers of the weights joined or converted at load go back to the device
             return engine

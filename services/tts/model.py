@@ -82,6 +82,7 @@ class EarTts:
     book_norms: list[mx.array]  # Q arrays (K,): ||e||^2 of every codebook row, summed in the codebooks' dtype
     code_rows: mx.array  # (Q * (K + 1), latent): each codebook's rows then a zero row (the mask index K)
     code_starts: mx.array  # (Q,) int32: q * (K + 1), where codebook q starts in code_rows
+    picked_starts: mx.array  # the same (Q,) as uint32, argmin's dtype: the refinement's codes add them as they are
     bos_emb: mx.array
     null_emb: mx.array
 
@@ -103,6 +104,7 @@ class EarTts:
             book_norms=[norms[n].astype(mx.float32) for n in range(q)],
             code_rows=table.reshape(q * (k + 1), latent).astype(mx.float32),
             code_starts=mx.arange(0, q * (k + 1), k + 1, dtype=mx.int32),
+            picked_starts=mx.arange(0, q * (k + 1), k + 1, dtype=mx.uint32),
             bos_emb=weights.get(f"{path}.bos_emb", (config.hidden_size,)),
             null_emb=weights.get(f"{path}.null_emb", (config.hidden_size,)),
         )
@@ -112,7 +114,8 @@ class EarTts:
 
         Every codebook's row is gathered at once (one gather of the flattened table); the rows are then added
         one codebook after the other, the order of the sum the reference computes."""
-        picked = self.code_rows[codes + self.code_starts.astype(codes.dtype)]  # (..., Q, latent)
+        starts = self.picked_starts if codes.dtype == mx.uint32 else self.code_starts.astype(codes.dtype)
+        picked = self.code_rows[codes + starts]  # (..., Q, latent)
         out = mx.zeros((*codes.shape[:-1], self.config.latent_size))
         for q in range(self.config.num_quantizers):
             out = out + picked[..., q, :]
@@ -182,7 +185,8 @@ class EarTts:
         cfg = self.config
         half = hidden.shape[0] // 2
         cond, uncond = hidden[:half], hidden[half:]
-        codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.int32) for _ in range(cfg.num_quantizers)]
+        # masked codes in argmin's own dtype: the stacks of picked and masked codes then need no conversions
+        codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.uint32) for _ in range(cfg.num_quantizers)]
         done = 0
         for count in self._schedule():
             if count == 0:

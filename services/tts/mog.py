@@ -46,6 +46,10 @@ class MoGLayer:
 
 @dataclass
 class MoGHead:
+    # the per-component projections each frame gathers rows of: kept in float32 by `widen`, a gathered row is
+    # not converted before its matmul (the head computes in float32)
+    WIDEN = ("proj_mus", "low_mat")
+
     layers: list[MoGLayer]
     final_norm: OffsetRMSNorm
     proj_logits: Linear

@@ -168,3 +168,22 @@ def test_compiled_refinement_equals_the_plain_one(tiny_checkpoint, seed):
         compiled = model.generate_codes(hidden, SessionKey(seed + trial))
         assert mx.array_equal(plain, compiled).item()
         assert (np.array(compiled) < model.config.codebook_size).all()
+
+
+def test_widened_refinement_converts_no_gathered_row_nor_code_and_draws_the_same(tiny_checkpoint):
+    """With float32 weights the MoG head's per-component projections are stored in float32, and the masked
+    codes are argmin's uint32: a frame's compiled refinement converts neither a gathered projection row nor its
+    stacks of codes (28 conversions before on this checkpoint; those left convert the random draws' bits)."""
+    from bench.stages import KernelCounter
+    from services.tts.engine import TTSEngine
+
+    plain, wide = TTSEngine.load(tiny_checkpoint).model, TTSEngine.load(tiny_checkpoint, True).model
+    assert wide.mog_head.proj_mus.dtype == wide.mog_head.low_mat.dtype == mx.float32
+    assert plain.mog_head.proj_mus.dtype == mx.bfloat16  # as stored without the flag
+    hidden = mx.random.normal((2, 1, wide.config.hidden_size), key=mx.random.key(5))
+    mx.eval(hidden, wide.generate_codes(hidden, SessionKey(0)))  # traced before counting
+    with KernelCounter() as counter:
+        codes = wide.generate_codes(hidden, SessionKey(3))
+        mx.eval(codes)
+    assert counter.counts["AsType"] <= 7 and codes.dtype == mx.int32
+    assert mx.array_equal(codes, plain.generate_codes_with(hidden, SessionKey(3))).item()
