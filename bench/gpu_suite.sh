@@ -15,7 +15,9 @@
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
 #              as stored, in bf16, and in bf16 with --float32-weights)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
-#              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports 9101-9104)
+#              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
+#              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
+#              service's --step-log)
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
@@ -111,7 +113,13 @@ wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 # process it waits for has died
 port=50060
 metrics=(perception=9101 llm=9102 tts=9103 codec=9104)
-for entry in "${metrics[@]}"; do serve_flags="$serve_flags --service-flags ${entry%=*}=--metrics-port=${entry#*=}"; done
+steps_of=""  # each service's --step-log, read with each run's timeline by bench.timeline
+for entry in "${metrics[@]}"; do
+  name=${entry%=*}
+  serve_flags="$serve_flags --service-flags $name=--metrics-port=${entry#*=}"
+  serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name.jsonl"
+  steps_of="$steps_of --steps $name=$out/steps-$name.jsonl"
+done
 scrape() {  # scrape NAME: each service's batch-size histogram totals and memory gauges, kept and printed
   for entry in "${metrics[@]}"; do
     "$py" -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
@@ -135,6 +143,9 @@ if [ $ready -eq 1 ]; then
       step "$pace-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
         --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json"
       scrape "$pace-$k"
+      # shellcheck disable=SC2086  # a list of flags
+      "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \
+        | tee "$out/$pace-$k.steps.txt"
     done
   done
 else

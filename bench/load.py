@@ -12,8 +12,8 @@ flushes. No conversation sends past --duration seconds after its start (a bounde
 Reported per transport: conversations, frames delivered, frames per second over the run, the interval between a
 conversation's consecutive audio frames (p50/p95), first-audio latency (from the first chunk sent to the first
 audio frame back, p50), errors, and lost frames (frames sent but never answered). `--timeline PATH` also writes
-when each conversation sent its first chunk and received each audio frame (seconds from the run's start, JSON),
-to see when and where the intervals vary.
+when each conversation sent its first chunk and received each audio frame (seconds from the run's start, JSON,
+with the start's `time.monotonic()`), to line up with the services' `--step-log` (`python -m bench.timeline`).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class LoadReport:
         def since(t: float | None) -> float | None:
             return None if t is None else round(t - self.start, 6)
 
-        return {"wall_s": self.wall_s, "conversations": [
+        return {"wall_s": self.wall_s, "start_monotonic": self.start, "conversations": [
             {"transport": o.transport, "first_sent_s": since(o.first_sent),
              "arrivals_s": [since(t) for t in o.arrivals]} for o in self.outcomes]}
 

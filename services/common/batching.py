@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from services.common.engine_thread import EngineThread
+from services.common.steplog import StepLog
 
 Entry = TypeVar("Entry")
 Result = TypeVar("Result")
@@ -37,16 +39,19 @@ DEFAULT_GATHER_S = 0.002
 @dataclass(frozen=True)
 class BatchOptions:
     """How a service batches: at most `max_batch` sessions per step, a gather wait of `gather_s`, and the batch
-    sizes 1..`precompile` traced at load (0: each size is traced when it first occurs)."""
+    sizes 1..`precompile` traced at load (0: each size is traced when it first occurs); `step_log` records every
+    step's times and size."""
 
     max_batch: int = DEFAULT_MAX_BATCH
     gather_s: float = DEFAULT_GATHER_S
     precompile: int = 0
+    step_log: StepLog | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BatchOptions:
-        """From the common service flags --max-batch, --batch-wait-ms and --precompile-batches."""
-        return cls(args.max_batch, args.batch_wait_ms / 1000.0, args.precompile_batches)
+        """From the common service flags --max-batch, --batch-wait-ms, --precompile-batches and --step-log."""
+        log = StepLog.open(args.step_log) if args.step_log is not None else None
+        return cls(args.max_batch, args.batch_wait_ms / 1000.0, args.precompile_batches, log)
 
 
 class StepBatcher(Generic[Entry, Result]):
@@ -58,13 +63,14 @@ class StepBatcher(Generic[Entry, Result]):
 
     `sessions()` says how many sessions are open (steps that may come); with it, a batch waits up to `gather_s`
     for that many steps before it starts. Without it no batch waits. `precompile` is the largest batch size
-    `precompile()` has the engine trace at load (capped at max_batch)."""
+    `precompile()` has the engine trace at load (capped at max_batch). A `step_log` gets one line per batched call
+    (when the batch was formed, when the engine thread began and ended it, its size)."""
 
     def __init__(self, engine_thread: EngineThread,
                  run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]],
                  max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
                  sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S,
-                 precompile: int = 0) -> None:
+                 precompile: int = 0, step_log: StepLog | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= gather_s < 1:
@@ -76,6 +82,7 @@ class StepBatcher(Generic[Entry, Result]):
         self.sessions = sessions
         self.gather_s = gather_s
         self.precompile_sizes = min(max(precompile, 0), max_batch)
+        self.step_log = step_log
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
@@ -88,7 +95,7 @@ class StepBatcher(Generic[Entry, Result]):
                      on_batch: Callable[[int], None] | None = None,
                      sessions: Callable[[], int] | None = None) -> StepBatcher[Entry, Result]:
         return cls(engine_thread, run_batch, options.max_batch, on_batch, sessions, options.gather_s,
-                   options.precompile)
+                   options.precompile, options.step_log)
 
     async def precompile(self, precompile: Callable[[int], None]) -> None:
         """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
@@ -171,7 +178,7 @@ class StepBatcher(Generic[Entry, Result]):
             self.on_batch(len(batch))
         self._running = len(batch)
         try:
-            results = await self.engine_thread.run(self._checked, [entry for entry, _ in batch])
+            results = await self.engine_thread.run(self._checked, [entry for entry, _ in batch], time.monotonic())
         except asyncio.CancelledError:
             for _, future in batch:
                 future.cancel()
@@ -188,8 +195,11 @@ class StepBatcher(Generic[Entry, Result]):
             else:
                 future.set_result(result)
 
-    def _checked(self, entries: list[Entry]) -> Sequence[Result | BaseException]:
+    def _checked(self, entries: list[Entry], formed: float) -> Sequence[Result | BaseException]:
+        start = time.monotonic()
         results = self.run_batch(entries)
+        if self.step_log is not None:
+            self.step_log.step(formed, start, time.monotonic(), len(entries))
         if len(results) != len(entries):
             raise RuntimeError(f"a batched step returned {len(results)} results for {len(entries)} entries")
         return results

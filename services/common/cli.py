@@ -107,6 +107,15 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "limit). Batched steps grow the cache: several services sharing one GPU may need it bounded",
     )
     parser.add_argument(
+        "--step-log",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per engine step to PATH: when its batch was formed, when the engine began and "
+        "ended it (time.monotonic() seconds, one clock for a host's processes), and its size; to line the "
+        "service's steps up with other services' and clients' (python -m bench.timeline)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -136,6 +145,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--precompile-batches {args.precompile_batches}: must be zero or more")
     if not 0 <= args.batch_wait_ms < 1000:
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
+    if args.step_log is not None and not args.step_log.parent.is_dir():
+        parser.error(f"--step-log {args.step_log}: no such directory {args.step_log.parent}")
     if args.cache_limit_mb is not None and not 0 <= args.cache_limit_mb < 2**40:
         parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
     return args

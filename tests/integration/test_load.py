@@ -72,6 +72,36 @@ def test_the_timeline_gives_each_conversations_times_from_the_runs_start(tmp_pat
     one = Outcome("grpc", frames=2, arrivals=[10.5, 10.58], first_sent=10.25)
     silent = Outcome("ws")
     timeline = LoadReport([one, silent], wall_s=1.0, start=10.0).timeline()
-    assert timeline == {"wall_s": 1.0, "conversations": [
+    assert timeline == {"wall_s": 1.0, "start_monotonic": 10.0, "conversations": [
         {"transport": "grpc", "first_sent_s": 0.25, "arrivals_s": [0.5, 0.58]},
         {"transport": "ws", "first_sent_s": None, "arrivals_s": []}]}
+
+
+def test_the_timeline_report_lines_up_client_intervals_with_service_steps(tmp_path, capsys):
+    import json
+
+    from bench import timeline as report
+
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"wall_s": 1.0, "start_monotonic": 100.0, "conversations": [
+        {"transport": "grpc", "first_sent_s": 0.0, "arrivals_s": [0.1, 0.15, 0.3]},
+        {"transport": "grpc", "first_sent_s": 0.0, "arrivals_s": [0.2, 0.26]}]}))
+    steps = tmp_path / "tts.jsonl"
+    steps.write_text("\n".join(json.dumps(s) for s in [
+        {"formed": 99.0, "start": 99.5, "end": 99.6, "size": 9},  # before the run: left out
+        {"formed": 100.10, "start": 100.11, "end": 100.13, "size": 2},
+        {"formed": 100.13, "start": 100.13, "end": 100.17, "size": 4},
+        {"formed": 100.20, "start": 100.21, "end": 100.27, "size": 3}]) + "\n")
+    assert report.main([str(path), "--steps", f"tts={steps}", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["clients"]["intervals"] == 3 and r["clients"]["over_frame"] == 1  # 50, 150 and 60 ms
+    assert r["clients"]["interval_ms"]["max"] == pytest.approx(150.0)
+    tts = r["services"]["tts"]
+    assert tts["steps"] == 3 and tts["mean_size"] == pytest.approx(3.0)
+    assert tts["step_ms"]["max"] == pytest.approx(60.0) and tts["step_ms"]["p50"] == pytest.approx(40.0)
+    assert tts["queued_ms"]["max"] == pytest.approx(10.0) and tts["gap_ms"]["max"] == pytest.approx(40.0)
+    assert tts["busy"] == pytest.approx(0.12)
+    assert report.main([str(path), "--steps", f"tts={steps}"]) == 0
+    assert "| tts | 3 | 3.0 | 40.00 / " in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a --steps value that is not NAME=PATH
+        report.main([str(path), "--steps", "tts"])

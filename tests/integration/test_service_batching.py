@@ -132,6 +132,26 @@ def test_max_batch_one_runs_every_step_alone(tiny_checkpoint):
     assert asyncio.run(scenario()) == (12, 12)
 
 
+def test_the_step_log_has_a_line_per_batched_step(tiny_checkpoint, tmp_path):
+    from services.common.steplog import read_steps
+
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    path = tmp_path / "codec-steps.jsonl"
+
+    async def scenario():
+        async with served("codec", tiny_checkpoint, "--step-log", str(path)) as (address, servicer):
+            load = workload("codec", config)
+            async with grpc.aio.insecure_channel(address) as channel:
+                await asyncio.gather(*(run_alone(channel, load, 4, seed) for seed in (1, 2, 3)))
+            return (servicer.metrics.value("voicechat_batch_size_count"),
+                    servicer.metrics.value("voicechat_batch_size_sum"))
+
+    batches, steps = asyncio.run(scenario())
+    logged = read_steps(path)
+    assert len(logged) == batches and sum(step["size"] for step in logged) == steps == 12
+    assert all(a["end"] <= b["start"] for a, b in zip(logged, logged[1:], strict=False))  # one engine thread
+
+
 def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
     parser = build_parser("services.codec", "")
     with pytest.raises(SystemExit):
@@ -143,6 +163,9 @@ def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
         with pytest.raises(SystemExit):
             parse_args(parser, ["--model", str(tiny_checkpoint), flag, value])
         assert f"{flag} {float(value) if flag == '--batch-wait-ms' else value}: {message}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--model", str(tiny_checkpoint), "--step-log", "/no/such/dir/steps.jsonl"])
+    assert "--step-log /no/such/dir/steps.jsonl: no such directory /no/such/dir" in capsys.readouterr().err
     assert isinstance(parse_args(parser, ["--model", str(tiny_checkpoint)]), argparse.Namespace)
 
 

@@ -346,3 +346,42 @@ async def _error_of(awaitable) -> str:
     except ValueError as error:
         return str(error)
     raise AssertionError("no error")
+
+
+def test_the_step_log_gets_each_batched_call_in_order_with_its_times_and_size(engine_thread, tmp_path):
+    import time
+
+    from services.common.steplog import StepLog, read_steps
+
+    path = tmp_path / "steps.jsonl"
+    recorder = Recorder()
+    log = StepLog.open(path)
+    batcher = StepBatcher(engine_thread, recorder, max_batch=4, step_log=log)
+    before = time.monotonic()
+
+    async def scenario():
+        return await _behind_a_held_batch(recorder, batcher, lambda: asyncio.gather(*map(batcher.submit, [1, 2, 3])))
+
+    assert asyncio.run(scenario()) == [10, 20, 30]
+    with path.open("a") as cut:  # a writer killed mid-line leaves a partial last line
+        cut.write('{"formed": 1.0, "sta')
+    steps = read_steps(path)
+    assert [step["size"] for step in steps] == [len(batch) for batch in recorder.batches] == [1, 3]
+    for step in steps:
+        assert before <= step["formed"] <= step["start"] <= step["end"] <= time.monotonic()
+    assert steps[1]["formed"] >= steps[0]["end"]  # the second batch formed once the held one was answered
+    assert steps[0]["end"] - steps[0]["start"] > 0  # held until the others were queued
+
+
+def test_a_step_log_that_cannot_be_written_stops_without_failing_the_step(tmp_path, caplog):
+    from services.common.steplog import StepLog
+
+    path = tmp_path / "steps.jsonl"
+    log = StepLog.open(path)
+    path.unlink()
+    path.mkdir()  # appending to it now fails
+    log.step(1.0, 2.0, 3.0, 4)
+    log.step(1.0, 2.0, 3.0, 4)
+    assert len([r for r in caplog.records if "no more steps are logged" in r.getMessage()]) == 1
+    with pytest.raises(OSError):
+        StepLog.open(path)  # opening says so at once

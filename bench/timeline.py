@@ -1,0 +1,123 @@
+"""A load run's client timeline beside its services' engine steps: where the frame intervals come from.
+
+    python -m bench.timeline TIMELINE.json [--steps NAME=PATH ...] [--settle-seconds S] [--json]
+
+TIMELINE.json is `bench.load --timeline`'s; each PATH a service's `--step-log` (all share the host's monotonic
+clock). For the run's window (its start to its end), prints the clients' frame intervals (p50/p95, how many
+over 80 ms) and, per service, its steps in the window: how many, their mean size, how long each ran on the
+engine (p50/p95/max), how long a formed batch waited for the engine thread, the gaps between one step's end and
+the next one's start, and the share of the window the engine was busy. A service busy nearly all the window
+bounds the run; step times that spread widely at one batch size point at the device being shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from orchestrator.profile import percentile
+from services.common.steplog import read_steps
+
+FRAME_MS = 80.0
+
+
+def client_intervals(timeline: dict, settle_frames: int = 0) -> list[float]:
+    """Every conversation's intervals between consecutive audio frames, in ms, its first `settle_frames` left out."""
+    out: list[float] = []
+    for conversation in timeline["conversations"]:
+        arrivals = conversation["arrivals_s"][settle_frames:]
+        out += [(b - a) * 1000.0 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "max": None}
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "max": max(values)}
+
+
+def service_row(steps: list[dict], start: float, end: float) -> dict:
+    """The steps that began inside [start, end], summarised (times in ms)."""
+    mine = [s for s in steps if start <= s["start"] <= end]
+    window_ms = (end - start) * 1000.0
+    durations = [(s["end"] - s["start"]) * 1000.0 for s in mine]
+    return {
+        "steps": len(mine),
+        "mean_size": sum(s["size"] for s in mine) / len(mine) if mine else None,
+        "step_ms": _spread(durations),
+        "queued_ms": _spread([(s["start"] - s["formed"]) * 1000.0 for s in mine]),
+        "gap_ms": _spread([(b["start"] - a["end"]) * 1000.0 for a, b in zip(mine, mine[1:], strict=False)]),
+        "busy": sum(durations) / window_ms if window_ms > 0 else None,
+    }
+
+
+def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0) -> dict:
+    start = timeline["start_monotonic"]
+    end = start + timeline["wall_s"]
+    intervals = client_intervals(timeline, settle_frames)
+    return {
+        "window_s": timeline["wall_s"],
+        "clients": {"conversations": len(timeline["conversations"]), "intervals": len(intervals),
+                    "interval_ms": _spread(intervals),
+                    "over_frame": sum(1 for i in intervals if i > FRAME_MS)},
+        "services": {name: service_row(rows, start, end) for name, rows in steps.items()},
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_report(r: dict) -> None:
+    c = r["clients"]
+    i = c["interval_ms"]
+    print(f"window {r['window_s']:.1f} s, {c['conversations']} conversations: {c['intervals']} frame intervals, "
+          f"p50 {_ms(i['p50'])} / p95 {_ms(i['p95'])} ms, {c['over_frame']} over {FRAME_MS:.0f} ms")
+    print("| service | steps | mean size | step p50 / p95 / max ms | queued p50 / p95 ms | gap p50 / p95 ms | busy |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, row in r["services"].items():
+        s, q, g = row["step_ms"], row["queued_ms"], row["gap_ms"]
+        size = "-" if row["mean_size"] is None else f"{row['mean_size']:.1f}"
+        busy = "-" if row["busy"] is None else f"{row['busy']:.0%}"
+        print(f"| {name} | {row['steps']} | {size} | {_ms(s['p50'])} / {_ms(s['p95'])} / {_ms(s['max'])} | "
+              f"{_ms(q['p50'])} / {_ms(q['p95'])} | {_ms(g['p50'])} / {_ms(g['p95'])} | {busy} |")
+
+
+def _named(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH, e.g. tts=/tmp/tts-steps.jsonl")
+    return name, Path(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.timeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("timeline", type=Path, help="bench.load --timeline output")
+    parser.add_argument("--steps", type=_named, action="append", default=[], metavar="NAME=PATH",
+                        help="a service's --step-log (repeat per service)")
+    parser.add_argument("--settle-seconds", type=float, default=0.0,
+                        help="leave each conversation's first S seconds of intervals out (as bench.load does)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        timeline = json.loads(args.timeline.read_text())
+        steps = {name: read_steps(path) for name, path in args.steps}
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if "start_monotonic" not in timeline:
+        print(f"error: {args.timeline} has no start_monotonic: write it with this version's bench.load --timeline",
+              file=sys.stderr)
+        return 1
+    r = report(timeline, steps, round(args.settle_seconds * 1000.0 / FRAME_MS))
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print_report(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
