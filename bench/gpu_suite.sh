@@ -28,7 +28,9 @@
 # weights in the language model, perception and speech), MPS (1: the services of the rtf and live steps share
 # the GPU through an MPS daemon of their own, `--mps`; no device setting changes). MLX settings exported before
 # the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
-# conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds).
+# conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds). Where
+# nvidia-smi is on PATH, each step's GPU clocks, power, utilization and temperature are sampled every 0.5 s into
+# OUT_DIR/<step>.gpu.csv (reading them changes no setting).
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -53,12 +55,18 @@ one_flags=${ONE_FLAGS:-$one_flags}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME COMMAND...: run, keep the log, print its last lines
-  local name=$1
+step() {  # step NAME COMMAND...: run, keep the log (and the GPU's clocks meanwhile), print its last lines
+  local name=$1 sampler=""
   shift
   echo "== $(date +%T) $name: $*"
+  if command -v nvidia-smi > /dev/null; then  # read-only: what the clocks, power and load were during the step
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+      --format=csv,noheader -lms 500 > "$out/$name.gpu.csv" 2>/dev/null &
+    sampler=$!
+  fi
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
+  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
   tail -n 40 "$out/$name.log"
   [ $rc -eq 0 ] || echo "== $name failed with exit code $rc (log: $out/$name.log)"
   return $rc
