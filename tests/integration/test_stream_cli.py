@@ -144,13 +144,16 @@ def test_a_service_killed_mid_stream_is_named_and_nothing_hangs(tiny_checkpoint,
 @pytest.mark.parametrize("command", ["stream", "offline", "serve"])
 def test_running_services_need_the_model_named(monkeypatch, tmp_path, capsys, command):
     monkeypatch.delenv("VOICECHAT_MODEL", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a demo fallback would have to build here
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    cache.mkdir(), work.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))  # a demo fallback would have to build here
+    monkeypatch.chdir(work)  # the default output (response.wav) lands here, whatever the caller's folder holds
     services = "perception=127.0.0.1:1,llm=127.0.0.1:1,tts=127.0.0.1:1,codec=127.0.0.1:1"
     argv = [command, "--services", services] + ([] if command == "serve" else [str(QUESTION_WAV)])
     assert cli.main(argv) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--services needs --model DIR" in err[0]
-    assert not any(tmp_path.iterdir())  # no demo checkpoint was made
+    assert not any(cache.iterdir()) and not any(work.iterdir())  # no demo checkpoint was made, nothing written
 
 
 def test_service_flags_reach_the_services_the_command_starts(tiny_checkpoint, tmp_path, capsys):
@@ -165,7 +168,8 @@ def test_service_flags_reach_the_services_the_command_starts(tiny_checkpoint, tm
     assert out.exists()
 
 
-def test_service_flags_cannot_go_with_running_or_in_process_services(tiny_checkpoint, capsys):
+def test_service_flags_cannot_go_with_running_or_in_process_services(tiny_checkpoint, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the default output (response.wav) lands here, whatever the caller's folder holds
     for where in (["--in-process"], ["--services", "perception=h:1,llm=h:2,tts=h:3,codec=h:4"]):
         assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), *where,
                          "--service-flags", "llm=--max-batch 4"]) != 0

@@ -82,6 +82,7 @@ def test_launch_without_the_program_fails_before_any_service_starts(monkeypatch,
 def test_the_cli_reports_a_missing_daemon_in_one_line_and_refuses_mps_with_running_services(
         monkeypatch, tmp_path, tiny_checkpoint, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # the default output (response.wav) lands here, whatever the caller's folder holds
     out = tmp_path / "out.wav"
     wav = Path(__file__).resolve().parents[2] / "examples" / "question.wav"
     assert main(["offline", str(wav), "--model", str(tiny_checkpoint), "--mps", "--output-audio", str(out)]) == 1
