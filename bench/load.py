@@ -96,6 +96,13 @@ def conversations(samples: np.ndarray, count: int, seconds: float) -> list[Conve
     return [Conversation(looped[FRAME * 3 * k : FRAME * 3 * k + length].copy(), seed=k) for k in range(count)]
 
 
+def intervals_ms(arrivals: list[list[float]], settle_frames: int = 0) -> list[float]:
+    """Each conversation's intervals between consecutive audio frames (arrival times in seconds), in ms, its
+    first `settle_frames` frames left out."""
+    return [(b - a) * 1000.0 for times in arrivals
+            for a, b in zip(times[settle_frames:], times[settle_frames + 1 :], strict=False)]
+
+
 def _chunks(data: bytes) -> Iterator[bytes]:
     step = FRAME * 2
     for start in range(0, len(data), step):
@@ -238,9 +245,7 @@ class LoadReport:
         table = {}
         for transport in sorted({o.transport for o in self.outcomes}):
             mine = [o for o in self.outcomes if o.transport == transport]
-            intervals = [(b - a) * 1000.0 for o in mine
-                         for a, b in zip(o.arrivals[self.settle_frames :], o.arrivals[self.settle_frames + 1 :],
-                                         strict=False)]
+            intervals = intervals_ms([o.arrivals for o in mine], self.settle_frames)
             frames = sum(o.frames for o in mine)
             firsts = [(o.arrivals[0] - o.first_sent) * 1000.0 for o in mine if o.arrivals and o.first_sent]
             table[transport] = {

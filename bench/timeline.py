@@ -17,19 +17,11 @@ import json
 import sys
 from pathlib import Path
 
+from bench.load import intervals_ms
 from orchestrator.profile import percentile
 from services.common.steplog import read_steps
 
 FRAME_MS = 80.0
-
-
-def client_intervals(timeline: dict, settle_frames: int = 0) -> list[float]:
-    """Every conversation's intervals between consecutive audio frames, in ms, its first `settle_frames` left out."""
-    out: list[float] = []
-    for conversation in timeline["conversations"]:
-        arrivals = conversation["arrivals_s"][settle_frames:]
-        out += [(b - a) * 1000.0 for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return out
 
 
 def _spread(values: list[float]) -> dict[str, float | None]:
@@ -56,7 +48,7 @@ def service_row(steps: list[dict], start: float, end: float) -> dict:
 def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0) -> dict:
     start = timeline["start_monotonic"]
     end = start + timeline["wall_s"]
-    intervals = client_intervals(timeline, settle_frames)
+    intervals = intervals_ms([c["arrivals_s"] for c in timeline["conversations"]], settle_frames)
     return {
         "window_s": timeline["wall_s"],
         "clients": {"conversations": len(timeline["conversations"]), "intervals": len(intervals),
