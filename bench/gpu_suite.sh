@@ -31,6 +31,7 @@
 # conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds). Where
 # nvidia-smi is on PATH, each step's GPU clocks, power, utilization and temperature are sampled every 0.5 s into
 # OUT_DIR/<step>.gpu.csv (reading them changes no setting).
+# COUNTS ("SESSIONS 1"): the live step's numbers of conversations, each run at every pace.
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -147,7 +148,7 @@ for _ in $(seq 1 450); do
 done
 if [ $ready -eq 1 ]; then
   for pace in ${PACES:-live}; do
-    for k in "$sessions" 1; do
+    for k in ${COUNTS:-$sessions 1}; do
       step "$pace-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
         --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json"
       scrape "$pace-$k"
