@@ -14,6 +14,16 @@ array its own update would hold. A cache that steps any other way takes its rows
         ...each cache's own update and attention...
         if LayerGroup.can_form(caches):
             LayerGroup(caches, per)               # their next steps take the path above
+
+A batch of only some of a group's sessions (the others' frames not due yet) keeps the group as it is:
+
+    held = LayerGroup.holding(caches)             # (group, each cache's member index), if all are its members
+    if held is not None and (plans := held[0].plans(held[1])) is not None:
+        out = held[0].step(q, k, v, plans, scale, held[1])   # the others sit the step out, untouched
+
+Re-forming a group copies every member's keys on every layer (and the next full batch copies them back), which
+on a GPU costs a batched speech step as much again as the step itself; a step of some members costs a few small
+gathers and scatters more than a step of all.
 """
 
 from __future__ import annotations
@@ -117,29 +127,64 @@ class LayerGroup:
             return None
         return group
 
+    @staticmethod
+    def holding(caches: Sequence[GroupedCache]) -> tuple[LayerGroup, list[int]] | None:
+        """The group holding every one of `caches`, with each one's member index (in the order given), when all
+        are its members and every member is still in it: a closed or departed member's rows are freed by
+        re-forming the group instead."""
+        group = caches[0].group
+        if group is None or any(cache.group is not group for cache in caches):
+            return None
+        if any(member() is None or member().group is not group for member in group.members):
+            return None
+        return group, [cache._row // group.per for cache in caches]
+
     def rows(self, cache: GroupedCache) -> tuple[mx.array, mx.array]:
         rows = slice(cache._row, cache._row + self.per)
         return self.keys[rows, :, : cache._capacity], self.values[rows, :, : cache._capacity]
 
-    def plans(self) -> list[Plan] | None:
-        """Every member's plan for one more key; None when one would drop keys (a member fresh from a
-        multi-token append), which only its own update does."""
-        plans = [member().plan_one() for member in self.members]
+    def plans(self, index: Sequence[int] | None = None) -> list[Plan] | None:
+        """The plan for one more key of every member (or of the members at `index`); None when one would drop
+        keys (a member fresh from a multi-token append), which only its own update does."""
+        members = self.members if index is None else [self.members[i] for i in index]
+        plans = [member().plan_one() for member in members]
         return None if any(plan.trim for plan in plans) else plans
 
-    def step(self, q: mx.array, k: mx.array, v: mx.array, plans: list[Plan], scale: float) -> mx.array:
-        """Write k, v (R, H, 1, Dh) at each member's slot, advance every member, attend q over the buffer."""
+    def step(self, q: mx.array, k: mx.array, v: mx.array, plans: list[Plan], scale: float,
+             index: Sequence[int] | None = None) -> mx.array:
+        """Write k, v (R, H, 1, Dh) at each stepping member's slot, advance those members, attend q over the
+        buffer. The members stepping are all of them, in order, or those at `index` (q, k, v then hold their
+        rows in that order, and `plans` is theirs): the others' keys stay as they are, and their rows of the
+        attention, run over the whole buffer, are dropped."""
         width = max(plan.capacity for plan in plans)
         if width > self.keys.shape[2]:
             self.keys, self.values = widened(self.keys, width), widened(self.values, width)
-        slots = mx.array(np.repeat([plan.slot for plan in plans], self.per).astype(np.int32))[:, None, None, None]
         # in the buffer's dtype, as a member's own slice write stores it (a bf16 prompt keeps bf16 keys)
         k, v = k.astype(self.keys.dtype), v.astype(self.values.dtype)
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, k.shape), k, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, v.shape), v, axis=2)
-        for member, plan in zip(self.members, plans, strict=True):
-            member()._advance(plan)
-        return self.attend(q, [plan.visible for plan in plans], scale)
+        slots = np.repeat([plan.slot for plan in plans], self.per).astype(np.int32)
+        if index is None or list(index) == list(range(len(self.members))):
+            at = mx.array(slots)[:, None, None, None]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, k.shape), k, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, v.shape), v, axis=2)
+            for member, plan in zip(self.members, plans, strict=True):
+                member()._advance(plan)
+            return self.attend(q, [plan.visible for plan in plans], scale)
+        per = self.per
+        rows = (np.asarray(index, np.int32)[:, None] * per + np.arange(per, dtype=np.int32)).reshape(-1)
+        at_rows, at_slots = mx.array(rows), mx.array(slots)
+        self.keys[at_rows, :, at_slots] = k[:, :, 0, :]
+        self.values[at_rows, :, at_slots] = v[:, :, 0, :]
+        for i, plan in zip(index, plans, strict=True):
+            self.members[i]()._advance(plan)
+        # the whole buffer attends (a row per group row: the stepping ones' queries, the others' any query), each
+        # sitting-out member over the stepping members' widest view, so the attention is as wide as theirs alone
+        source = np.zeros(len(self.members) * per, np.int32)
+        source[rows] = np.arange(rows.shape[0], dtype=np.int32)
+        widest = max(plan.visible for plan in plans)
+        visible = [widest] * len(self.members)
+        for i, plan in zip(index, plans, strict=True):
+            visible[i] = plan.visible
+        return self.attend(q[mx.array(source)], visible, scale)[at_rows]
 
     def attend(self, q: mx.array, visible: list[int], scale: float) -> mx.array:
         """q (R, H, 1, Dh) over every member's visible keys: the buffer's first max(visible) keys (a view), the

@@ -12,8 +12,9 @@ Several sessions' single-frame steps run as one batch: rows 2i and 2i + 1 are se
 those two rows) and each session's keys are written to its own caches. Per layer, the sessions whose caches
 hold at most `stack_limit()` keys attend together over their keys stacked and zero-padded to the longest (the
 padding masked out: copies, one attention); every longer cache is read in place by an attention of its own.
-Stacked caches stay stacked, as the rows of a `LayerGroup`: while the same sessions step together, each step
-writes their keys with one scatter and attends once, with no copies:
+Stacked caches stay stacked, as the rows of a `LayerGroup`: while the same sessions step together, or some of
+them (the others' frames not due yet), each step writes their keys with one scatter and attends once, with no
+copies:
 
     h = backbone.step_batch(x, [caches_0, caches_1])   # x: (2 * sessions, 1, D) -> (2 * sessions, 1, D)
 """
@@ -216,11 +217,12 @@ class Attention:
         Caches of at most `stack_up_to` keys attend together over their keys stacked and padded; every other
         one over its own keys in place (the solo step's attention), its output copied into place."""
         per = q.shape[0] // len(caches)
-        group = LayerGroup.of(caches) if len(caches) > 1 else None
-        if group is not None:  # the same sessions as the last step, in the same order: one write, no copies
-            plans = group.plans()
+        held = LayerGroup.holding(caches)
+        if held is not None:  # sessions of the last step's group, all, some or one: one write, no copies
+            group, index = held
+            plans = group.plans(index)
             if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
-                return group.step(q, k, v, plans, self.scale)
+                return group.step(q, k, v, plans, self.scale, index)
         seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
                 for i, cache in enumerate(caches)]
         lengths = [sk.shape[2] for sk, _ in seen]

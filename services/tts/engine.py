@@ -133,8 +133,10 @@ class TTSEngine:
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Run `steps` batched pad steps at every batch size 1..max_batch on throwaway sessions (prompted with
-        silence codes), so each size's compiled code generation is traced (and, on a GPU, its kernels built)
-        before a client's frame waits for it. The sessions are dropped after."""
+        silence codes), then one step of some of the last batch's sessions at each size below it (the group of
+        caches kept, as when some sessions' frames are not due), so each size's compiled code generation is
+        traced (and, on a GPU, its kernels built) before a client's frame waits for it. The sessions are dropped
+        after."""
         silence = np.array(self.silence_codes, dtype=np.int32)
         prompt = np.broadcast_to(silence, (self.prompt_frames, self.num_quantizers)).copy()
         sessions = [self.open_session(seed, prompt) for seed in range(max_batch)]
@@ -142,6 +144,8 @@ class TTSEngine:
         for size in range(1, max_batch + 1):
             for _ in range(steps):
                 raise_first(self.step_batch([(session, pad) for session in sessions[:size]]))
+        for size in range(max_batch - 1, 0, -1):
+            raise_first(self.step_batch([(session, pad) for session in sessions[:size]]))
 
     def step_batch(self, steps: Sequence[tuple[TTSSession, int]]
                    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:

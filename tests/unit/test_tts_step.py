@@ -109,22 +109,24 @@ def test_text_rows_are_each_ids_own_embedding_and_stay_bounded(engine, monkeypat
 
 def test_grouped_caches_equal_plain_solo_steps_through_wraps_regroups_and_solo_steps(engine, monkeypatch):
     """Sessions stepping together keep each layer's caches as rows of one group (one write per layer, no
-    copies). Through their sliding rings wrapping inside the group, a session sitting two frames out (the group
-    re-formed without it and again with it), a solo step between batches and a new session joining, every code
-    and, at the end, every cache equals each session's plain solo twin."""
+    copies). Through their sliding rings wrapping inside the group, a session sitting two frames out (the others
+    step as some of the group's members, the group kept), a solo step between batches (one member stepping) and
+    a new session joining (the group re-formed), every code and, at the end, every cache equals each session's
+    plain solo twin."""
     from services.tts import backbone
 
     monkeypatch.setattr(step_module, "stack_limit", lambda: 10**9)
-    counts = {"formed": 0, "stepped": 0}
+    counts = {"formed": 0, "stepped": 0, "some": 0}
     form, step = backbone.LayerGroup.__init__, backbone.LayerGroup.step
 
     def formed(self, *args):
         counts["formed"] += 1
         form(self, *args)
 
-    def stepped(self, *args):
+    def stepped(self, q, k, v, plans, scale, index=None):
         counts["stepped"] += 1
-        return step(self, *args)
+        counts["some"] += index is not None and len(plans) < len(self.members)
+        return step(self, q, k, v, plans, scale, index)
 
     monkeypatch.setattr(backbone.LayerGroup, "__init__", formed)
     monkeypatch.setattr(backbone.LayerGroup, "step", stepped)
@@ -153,7 +155,30 @@ def test_grouped_caches_equal_plain_solo_steps_through_wraps_regroups_and_solo_s
             done[i] += 1
     layers = len(engine.model.backbone.layers)
     assert counts["stepped"] > (frames - 12) * layers  # most frames wrote every layer's group in place
-    assert counts["formed"] <= 6 * layers  # formed at the start and after each change of the batch only
+    # formed at the start and when the new session joined: the session sitting out two frames and the solo step
+    # left the group as it was, the others (or the one) stepping as some of its members
+    assert counts["formed"] == 2 * layers
+    assert counts["some"] == 3 * layers
     assert batched[0].caches[0].offset > window and batched[0].caches[0].group is not None
     for mine, theirs in zip(batched, plain, strict=True):
         _assert_caches_equal(mine, theirs)
+
+
+def test_precompile_steps_some_of_a_group_at_each_smaller_size(engine, monkeypatch):
+    """At load, after full batches of every size, some of the last batch's sessions step at each size below it
+    with their group kept: the partial steps' kernels are built before a client's frame needs them."""
+    from services.tts import backbone
+
+    monkeypatch.setattr(step_module, "stack_limit", lambda: 10**9)
+    sizes = []
+    step = backbone.LayerGroup.step
+
+    def stepped(self, q, k, v, plans, scale, index=None):
+        if index is not None and len(plans) < len(self.members):
+            sizes.append(len(plans))
+        return step(self, q, k, v, plans, scale, index)
+
+    monkeypatch.setattr(backbone.LayerGroup, "step", stepped)
+    engine.precompile(4, steps=2)
+    layers = len(engine.model.backbone.layers)
+    assert sizes == [3] * layers + [2] * layers + [1] * layers

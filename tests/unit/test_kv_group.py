@@ -1,0 +1,85 @@
+"""`LayerGroup` (services/common/kv_group.py): several sessions' caches of one layer as rows of one pair of
+arrays. A step of all members or of some of them must leave every cache, and give every stepping session's
+attention, exactly as that cache's own single-key update and attention would."""
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.kv_group import LayerGroup
+from services.tts.backbone import FullCache, RingCache
+
+HEADS, DIM, PER = 2, 4, 2  # two rows a session, as the speech backbone's guided rows
+SCALE = DIM**-0.5
+
+
+def _kv(rng: np.random.Generator, rows: int, n: int) -> tuple[mx.array, mx.array]:
+    return (mx.array(rng.standard_normal((rows, HEADS, n, DIM)).astype(np.float32)),
+            mx.array(rng.standard_normal((rows, HEADS, n, DIM)).astype(np.float32)))
+
+
+def _twins(make, lengths: list[int], seed: int):
+    """Two lists of caches filled alike: one to group, one to update on its own."""
+    grouped, own = [make() for _ in lengths], [make() for _ in lengths]
+    rng = np.random.default_rng(seed)
+    for i, n in enumerate(lengths):
+        k, v = _kv(rng, PER, n)
+        for cache in (grouped[i], own[i]):
+            cache.update(k, v)
+            for _ in range(3):  # single keys after the prompt: a ring's buffer drops what its append left over
+                cache.update(*_kv(np.random.default_rng(100 * seed + i), PER, 1))
+    return grouped, own
+
+
+def _own_step(cache, q, k, v) -> mx.array:
+    keys, values = cache.update(k, v)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE)
+
+
+def _assert_same_cache(mine, theirs) -> None:
+    assert mine.offset == theirs.offset and getattr(mine, "slot", None) == getattr(theirs, "slot", None)
+    np.testing.assert_array_equal(np.array(mine.keys), np.array(theirs.keys))
+    np.testing.assert_array_equal(np.array(mine.values), np.array(theirs.values))
+
+
+@pytest.mark.parametrize("make", [FullCache, lambda: RingCache(7)], ids=["full", "ring"])
+def test_steps_of_some_members_keep_the_group_and_equal_each_caches_own_steps(make):
+    grouped, own = _twins(make, [5, 2, 9], seed=1)
+    LayerGroup(grouped, PER)
+    group = grouped[0].group
+    rng = np.random.default_rng(2)
+    # all, then some (in any order), then all again: rings wrap and full buffers grow inside the group
+    schedule = [[0, 1, 2], [0, 2], [2], [1, 0], [0, 1, 2]] * 3
+    for index in schedule:
+        held = LayerGroup.holding([grouped[i] for i in index])
+        assert held is not None and held[0] is group and held[1] == index
+        plans = group.plans(index)
+        assert plans is not None
+        q, k = _kv(rng, PER * len(index), 1)
+        v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+        got = group.step(q, k, v, plans, SCALE, index)
+        for j, i in enumerate(index):
+            rows = slice(j * PER, (j + 1) * PER)
+            want = _own_step(own[i], q[rows], k[rows], v[rows])
+            np.testing.assert_array_equal(np.array(got[rows]), np.array(want))
+    for mine, theirs in zip(grouped, own, strict=True):
+        assert mine.group is group
+        _assert_same_cache(mine, theirs)
+
+
+def test_a_member_that_leaves_or_closes_ends_the_groups_hold_on_the_others():
+    grouped, _ = _twins(FullCache, [3, 4, 5], seed=3)
+    LayerGroup(grouped, PER)
+    assert LayerGroup.holding(grouped[:2])[1] == [0, 1]
+    grouped[2].update(*_kv(np.random.default_rng(4), PER, 1))  # a solo step takes its rows back
+    assert grouped[2].group is None
+    assert LayerGroup.holding(grouped[:2]) is None  # the others re-form, freeing the departed rows
+
+    grouped, _ = _twins(FullCache, [3, 4, 5], seed=5)
+    LayerGroup(grouped, PER)
+    del grouped[2]  # its session closed
+    gc.collect()
+    assert LayerGroup.holding(grouped) is None
+    assert LayerGroup.holding([FullCache()]) is None  # never grouped
