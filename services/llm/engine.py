@@ -147,7 +147,9 @@ class _StatePool:
     [conv, ssm, ...]) and the row views of them it handed its sessions.
 
     While every session still holds exactly those views (a solo step or a close replaces them), the next batch
-    of the same sessions takes the stacks as they are: no per-session concatenation of states each step."""
+    of the same sessions takes the stacks as they are: no per-session concatenation of states each step. A
+    batch of some of them (the others' frames not due yet) takes its rows from the stacks and writes them back,
+    so the pool stays whole for the next batch of all."""
 
     sessions: tuple[LanguageSession, ...]
     stacked: list[mx.array]
@@ -160,6 +162,24 @@ class _StatePool:
 
     def intact(self, layers: list[int]) -> bool:
         return all(self.holds(b, layers) for b in range(len(self.sessions)))
+
+    def rows_of(self, sessions: Sequence[LanguageSession]) -> list[int] | None:
+        """Each session's row in the stacks, when every one is this pool's."""
+        where = {s.session_id: b for b, s in enumerate(self.sessions)}
+        rows = [where.get(s.session_id) for s in sessions]
+        return None if None in rows else rows
+
+    def write_rows(self, rows: list[int], states: list[mx.array], layers: list[int]) -> None:
+        """Put a batch of some of the pool's sessions' new states (len(rows) rows each) into the stacks at `rows`,
+        and hand every session its views of the new stacks (the others' rows are as they were)."""
+        at = mx.array(rows)
+        for stack, new in zip(self.stacked, states, strict=True):
+            stack[at] = new
+        b = len(self.sessions)
+        self.rows = [list(r) for r in zip(*(mx.split(stack, b, axis=0) for stack in self.stacked), strict=True)]
+        for session, own in zip(self.sessions, self.rows, strict=True):
+            for n, i in enumerate(layers):
+                session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
 
     def detach(self, keep: set[int], layers: list[int]) -> list[mx.array]:
         """Give each session not in `keep` that still holds its rows its own copies (a view would keep every
@@ -302,9 +322,10 @@ class LanguageEngine:
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Feed `steps` batched prompt rows, then run `steps` batched steps, at every batch size 1..max_batch on
-        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), so
-        the compiled pieces of each size are traced (and, on a GPU, their kernels built) before a client's frame
-        waits for them. Leaves no session open."""
+        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), then
+        one step of some of the last batch's sessions at each size below it (their stacked states and caches
+        kept, as when some sessions' frames are not due), so the compiled pieces of each size are traced (and,
+        on a GPU, their kernels built) before a client's frame waits for them. Leaves no session open."""
         prompt = [self.model.bos_id, *[self.model.eos_id] * (min(steps * max_batch + 2, self.max_prompt_tokens) - 1)]
         sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
@@ -320,6 +341,8 @@ class LanguageEngine:
             for size in range(1, max_batch + 1):
                 for _ in range(steps):
                     raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
+            for size in range(max_batch - 1, 1, -1):  # some of the last batch's sessions: its stacks kept
+                raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
         finally:
             for session in sessions:
                 self.close_session(session)
@@ -405,14 +428,16 @@ class LanguageEngine:
         return tuple(a.dtype for c in session.caches if c is not None for a in c.arrays())
 
     def _settle_pools(self, groups: list[list[LanguageSession]]) -> list[mx.array]:
-        """Drop every pool that this call's groups do not reuse whole and intact, or that a session of theirs
-        has left; returns copies for the sessions they leave behind (to evaluate with the batch)."""
+        """Drop every pool that this call's groups do not reuse intact (whole, or one group taking some of its
+        sessions), or that a session of theirs has left; returns copies for the sessions they leave behind (to
+        evaluate with the batch)."""
         layers = self.model.batched_step.mamba_layers
-        wanted = {tuple(s.session_id for s in group) for group in groups}
         grouped = {s.session_id for group in groups for s in group}
         copies: list[mx.array] = []
         for key, pool in list(self._pools.items()):
-            if pool.intact(layers) and (key in wanted or not grouped.intersection(key)):
+            touching = [group for group in groups if any(s.session_id in key for s in group)]
+            if pool.intact(layers) and (not touching or (len(touching) == 1
+                                                         and pool.rows_of(touching[0]) is not None)):
                 continue
             del self._pools[key]
             copies += pool.detach(grouped, layers)
@@ -427,8 +452,13 @@ class LanguageEngine:
         batched = self.model.batched_step
         key = tuple(s.session_id for s in sessions)
         pool = self._pools.get(key)
+        holder, held = next(((p, rows) for p in self._pools.values() if (rows := p.rows_of(sessions)) is not None),
+                            (None, None)) if pool is None else (None, None)
         if pool is not None:
             states = pool.stacked
+        elif holder is not None:  # some of a pool's sessions: their rows of its stacks
+            at = mx.array(held)
+            states = [mx.take(stack, at, axis=0) for stack in holder.stacked]
         else:
             per_session = [_mamba_states(s, batched.mamba_layers) for s in sessions]
             states = [mx.concatenate(rows, axis=0) for rows in zip(*per_session, strict=True)]
@@ -436,12 +466,17 @@ class LanguageEngine:
         prev_function = mx.array([[s.prev_function] for s in sessions], dtype=mx.int32)
         audio = mx.stack([step[1] for step in steps]).reshape(b, 1, hidden)
         out, states = batched(prev_text, audio, prev_function, states, [s.caches for s in sessions], heads)
-        rows = [list(r) for r in zip(*(mx.split(state, b, axis=0) for state in states), strict=True)]
-        for session, own in zip(sessions, rows, strict=True):
-            for n, i in enumerate(batched.mamba_layers):
-                session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
+        if holder is not None:
+            holder.write_rows(held, states, batched.mamba_layers)
+            states = holder.stacked
+        else:
+            rows = [list(r) for r in zip(*(mx.split(state, b, axis=0) for state in states), strict=True)]
+            for session, own in zip(sessions, rows, strict=True):
+                for n, i in enumerate(batched.mamba_layers):
+                    session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
+            self._pools[key] = _StatePool(sessions, states, rows)
+        for session in sessions:
             session.positions += 1
-        self._pools[key] = _StatePool(sessions, states, rows)
         kv = [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
         to_eval += [*states, *kv, *out]
         if not heads:

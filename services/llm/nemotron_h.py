@@ -319,11 +319,12 @@ class Attention:
 
     def attend_sessions(self, q: mx.array, k: mx.array, v: mx.array, caches: list[KVCache]) -> mx.array:
         """One position of several sessions, row b of q, k, v (B, heads, 1, Dh) session b's with caches[b]:
-        each row's `attend` over its own cache. With `grouping()`, sessions that step together again keep their
-        caches grouped (one write and one attention for all; see services.common.kv_group)."""
-        group = LayerGroup.of(caches) if len(caches) > 1 and grouping() else None
-        if group is not None and (plans := group.plans()) is not None:
-            return group.step(q, k, v, plans, self.head_dim**-0.5)
+        each row's `attend` over its own cache. With `grouping()`, sessions that step together again, all or
+        some of them, keep their caches grouped (one write and one attention for all; see
+        services.common.kv_group)."""
+        held = LayerGroup.holding(caches) if len(caches) > 1 and grouping() else None
+        if held is not None and (plans := held[0].plans(held[1])) is not None:  # all or some of a group's members
+            return held[0].step(q, k, v, plans, self.head_dim**-0.5, held[1])
         rows = [self.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], cache) for b, cache in enumerate(caches)]
         if len(caches) > 1 and grouping() and LayerGroup.can_form(caches):
             LayerGroup(caches, 1)  # their next step together takes the grouped path

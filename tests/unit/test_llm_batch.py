@@ -238,7 +238,12 @@ def test_a_bad_entry_gets_its_error_and_disturbs_nobody(engines, embeds, batch_s
         engine.close_session(s)
 
 
-def test_a_steady_batch_reuses_its_stacked_states_and_a_leaver_gets_its_own(engines, embeds, monkeypatch):
+def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_gets_its_own(engines, embeds,
+                                                                                           monkeypatch):
+    """The stacked Mamba states a batch leaves are the next batch's, as they are; a batch of some of the same
+    sessions takes its rows of them and writes them back (the pool stays whole, the others' rows untouched); a
+    batch that mixes in a session from outside drops the pool, and each session it leaves behind gets copies of
+    its own rows. Every session then goes on equal to its solo run."""
     engine = engines["dense"]
     layers = engine.model.batched_step.mamba_layers
     inputs = []
@@ -258,20 +263,29 @@ def test_a_steady_batch_reuses_its_stacked_states_and_a_leaver_gets_its_own(engi
     (pool,) = engine._pools.values()
     assert pool.intact(layers) and pool.sessions == tuple(sessions)
     views = [np.array(a) for a in pool.rows[2]]
-    engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third is left behind
-    (pool,) = engine._pools.values()
-    assert pool.sessions == tuple(sessions[:2])
-    own = [a for i in layers for a in (sessions[2].caches[i].conv, sessions[2].caches[i].ssm)]
-    assert all(np.array_equal(a, b) for a, b in zip(own, views, strict=True))
-    assert all(a.shape[0] == 1 for a in own)
-    # The three go on equal to sessions that stepped alone (the third one frame behind).
+    engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third sits this frame out
+    assert all(a.shape[0] == 2 for a in inputs[2])  # the two sessions' rows of the stacks
+    (kept,) = engine._pools.values()
+    assert kept is pool and pool.intact(layers) and pool.sessions == tuple(sessions)
+    assert all(np.array_equal(a, b) for a, b in zip(pool.rows[2], views, strict=True))
     out = engine.step_batch([(sessions[0], rows[3], True, 3), (sessions[1], rows[3], True, 3),
-                             (sessions[2], rows[2], True, 2)])
+                             (sessions[2], rows[2], True, 2)])  # all three again: the pool as it is
+    assert all(a is b for a, b in zip(inputs[3], pool.stacked, strict=True))
     for k, o, n in zip((0, 2, 0), out, (4, 4, 3), strict=True):
         want = _solo_rows(engine, k, rows[:n])[-1]
         assert (o.text_id, o.function_id) == (want.text_id, want.function_id)
         assert _max_diff(o, want) <= LOGIT_TOLERANCE
-    for s in sessions:
+    # A batch of one of them with a session from outside: the pool goes, the two left behind own their rows.
+    outsider = _open(engine, 0)
+    (pool,) = engine._pools.values()
+    own_before = [[np.array(a) for a in pool.rows[b]] for b in (1, 2)]
+    engine.step_batch([(sessions[0], rows[0], False, None), (outsider, rows[0], False, None)])
+    assert all(p.sessions != tuple(sessions) for p in engine._pools.values())
+    for b, before in zip((1, 2), own_before, strict=True):
+        own = [a for i in layers for a in (sessions[b].caches[i].conv, sessions[b].caches[i].ssm)]
+        assert all(a.shape[0] == 1 for a in own)
+        assert all(np.array_equal(a, w) for a, w in zip(own, before, strict=True))
+    for s in [*sessions, outsider]:
         engine.close_session(s)
     assert not engine._pools
 
@@ -322,18 +336,26 @@ def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, 
 
 def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bit(engines, embeds, monkeypatch):
     """With the GPU's grouping forced on: sessions that step together again write and read their attention
-    caches as rows of one group per layer; through a tick one sits out (the group re-formed) and a lone step,
-    every logit equals the session's solo run to the bit, and the groups did run."""
+    caches as rows of one group per layer; through a tick one sits out (the others step as some of the group's
+    members, the group kept) and a lone step (which takes its rows back: the group re-formed after it), every
+    logit equals the session's solo run to the bit, and the groups did run."""
     from services.common.kv_group import LayerGroup
     from services.llm import nemotron_h
 
     monkeypatch.setattr(nemotron_h, "grouping", lambda: True)
-    steps = {"grouped": 0}
-    original = LayerGroup.step
+    steps = {"grouped": 0, "some": 0}
+    original, form = LayerGroup.step, LayerGroup.__init__
 
-    def counted(self, *args):
+    def counted(self, q, k, v, plans, scale, index=None):
         steps["grouped"] += 1
-        return original(self, *args)
+        steps["some"] += len(plans) < len(self.members)
+        return original(self, q, k, v, plans, scale, index)
+
+    def formed(self, *args):
+        steps["formed"] = steps.get("formed", 0) + 1
+        form(self, *args)
+
+    monkeypatch.setattr(LayerGroup, "__init__", formed)
 
     monkeypatch.setattr(LayerGroup, "step", counted)
     engine = engines["4bit"]
@@ -351,5 +373,30 @@ def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bi
         assert max(_max_diff(a, b) for a, b in zip(got[k], expected[k], strict=True)) == 0.0
     attention_layers = sum(1 for block in engine.model.backbone.blocks if block.kind == "*")
     assert steps["grouped"] >= 6 * attention_layers  # most batched ticks wrote their groups in place
+    assert steps["some"] == attention_layers  # the tick of sessions 0 and 2
+    # formed at the first tick (session 1, with no prompt, steps alone there), when session 1 joins, and after
+    # its lone step; not around the tick it sat out
+    assert steps["formed"] == 3 * attention_layers
     for session in sessions:
         engine.close_session(session)
+
+
+def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, monkeypatch):
+    """At load, after batches of every size, some of the last batch's sessions step at each size below it,
+    taking their rows of its stacked states (the partial steps' kernels built before a client's frame)."""
+    from services.llm import engine as engine_module
+
+    engine = engines["dense"]
+    written = []
+    original = engine_module._StatePool.write_rows
+
+    def spy(self, rows, states, layers):
+        written.append((len(self.sessions), list(rows)))
+        return original(self, rows, states, layers)
+
+    monkeypatch.setattr(engine_module._StatePool, "write_rows", spy)
+    engine.precompile(4)
+    # the last two: the steps of three and two of the four (before them, prompt rows fed to the sessions that
+    # still had some, also as some of a pool's)
+    assert written[-2:] == [(4, [0, 1, 2]), (4, [0, 1])]
+    assert not engine._pools and not engine.live_sessions
