@@ -105,6 +105,7 @@ class LayerGroup:
         width = max(cache.capacity for cache in caches)
         self.keys = mx.concatenate([widened(cache.keys, width) for cache in caches], axis=0)
         self.values = mx.concatenate([widened(cache.values, width) for cache in caches], axis=0)
+        self._head_index: mx.array | None = None
         for i, cache in enumerate(caches):
             cache._capacity = cache.capacity
             cache._keys = cache._values = None
@@ -170,10 +171,12 @@ class LayerGroup:
                 member()._advance(plan)
             return self.attend(q, [plan.visible for plan in plans], scale)
         per = self.per
-        rows = (np.asarray(index, np.int32)[:, None] * per + np.arange(per, dtype=np.int32)).reshape(-1)
-        at_rows, at_slots = mx.array(rows), mx.array(slots)
-        self.keys[at_rows, :, at_slots] = k[:, :, 0, :]
-        self.values[at_rows, :, at_slots] = v[:, :, 0, :]
+        rows = (np.asarray(index, np.uint32)[:, None] * per + np.arange(per, dtype=np.uint32)).reshape(-1)
+        # every axis indexed by an unsigned array (a slice or signed indices would add conversions and a range)
+        at_rows, at_slots = mx.array(rows)[:, None], mx.array(slots.astype(np.uint32))[:, None]
+        heads = self._heads()
+        self.keys[at_rows, heads, at_slots] = k[:, :, 0, :]
+        self.values[at_rows, heads, at_slots] = v[:, :, 0, :]
         for i, plan in zip(index, plans, strict=True):
             self.members[i]()._advance(plan)
         # the whole buffer attends (a row per group row: the stepping ones' queries, the others' any query), each
@@ -184,7 +187,13 @@ class LayerGroup:
         visible = [widest] * len(self.members)
         for i, plan in zip(index, plans, strict=True):
             visible[i] = plan.visible
-        return self.attend(q[mx.array(source)], visible, scale)[at_rows]
+        return self.attend(q[mx.array(source)], visible, scale)[at_rows[:, 0]]
+
+    def _heads(self) -> mx.array:
+        """(1, heads) uint32: the head axis's indices for a scatter into the buffers, made once."""
+        if self._head_index is None:
+            self._head_index = mx.arange(self.keys.shape[1], dtype=mx.uint32)[None]
+        return self._head_index
 
     def attend(self, q: mx.array, visible: list[int], scale: float) -> mx.array:
         """q (R, H, 1, Dh) over every member's visible keys: the buffer's first max(visible) keys (a view), the

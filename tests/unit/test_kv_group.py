@@ -83,3 +83,30 @@ def test_a_member_that_leaves_or_closes_ends_the_groups_hold_on_the_others():
     gc.collect()
     assert LayerGroup.holding(grouped) is None
     assert LayerGroup.holding([FullCache()]) is None  # never grouped
+
+
+def test_a_step_of_some_members_adds_gathers_and_scatters_but_no_conversion():
+    """Against a step of all members, a step of some runs one scatter per buffer in place of the full write, a
+    gather of the queries and one of the outputs: no conversion and no range (the scatter indexes every axis
+    with unsigned arrays, the heads' indices made once per group)."""
+    from bench.stages import KernelCounter
+
+    grouped, _ = _twins(FullCache, [4, 6, 5], seed=7)
+    LayerGroup(grouped, PER)
+    group = grouped[0].group
+    rng = np.random.default_rng(8)
+
+    def counted(index: list[int]):
+        q, k = _kv(rng, PER * len(index), 1)
+        v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+        mx.eval(q, k, v)
+        with KernelCounter() as counter:
+            mx.eval(group.step(q, k, v, group.plans(index), SCALE, index), group.keys, group.values)
+        return counter.counts
+
+    counted([0, 2])  # the heads' indices, made once
+    full, some = counted([0, 1, 2]), counted([0, 2])
+    assert full["ScatterAxis"] == 2 and some["Scatter"] == 2 and "ScatterAxis" not in some
+    assert some["Gather"] == full.get("Gather", 0) + 2
+    for name in ("AsType", "Arange"):
+        assert some[name] == full[name]
