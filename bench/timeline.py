@@ -7,7 +7,10 @@ clock). For the run's window (its start to its end), prints the clients' frame i
 over 80 ms) and, per service, its steps in the window: how many, their mean size, how long each ran on the
 engine (p50/p95/max), how long a formed batch waited for the engine thread, the gaps between one step's end and
 the next one's start, and the share of the window the engine was busy. A service busy nearly all the window
-bounds the run; step times that spread widely at one batch size point at the device being shared.
+bounds the run; step times that spread widely at one batch size point at the device being shared. Then, per
+service, its partial steps (fewer sessions than the run's conversations): how many, and the median step of a
+full batch, of a partial one and of a full batch right after a partial one. A partial step or the full one after
+it much slower than a full batch means a change of the batch's sessions costs the engine (caches re-stacked).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ def _spread(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "max": max(values)}
 
 
-def service_row(steps: list[dict], start: float, end: float) -> dict:
-    """The steps that began inside [start, end], summarised (times in ms)."""
+def service_row(steps: list[dict], start: float, end: float, full: int | None = None) -> dict:
+    """The steps that began inside [start, end], summarised (times in ms); with `full` (the batch of every
+    conversation) also its partial steps, and the full ones, apart."""
     mine = [s for s in steps if start <= s["start"] <= end]
     window_ms = (end - start) * 1000.0
     durations = [(s["end"] - s["start"]) * 1000.0 for s in mine]
-    return {
+    row = {
         "steps": len(mine),
         "mean_size": sum(s["size"] for s in mine) / len(mine) if mine else None,
         "step_ms": _spread(durations),
@@ -43,6 +47,14 @@ def service_row(steps: list[dict], start: float, end: float) -> dict:
         "gap_ms": _spread([(b["start"] - a["end"]) * 1000.0 for a, b in zip(mine, mine[1:], strict=False)]),
         "busy": sum(durations) / window_ms if window_ms > 0 else None,
     }
+    if full is not None:
+        partial = [s["size"] < full for s in mine]
+        row["partial"] = sum(partial)
+        row["full_step_ms"] = _spread([d for d, p in zip(durations, partial, strict=True) if not p])
+        row["partial_step_ms"] = _spread([d for d, p in zip(durations, partial, strict=True) if p])
+        row["after_partial_ms"] = _spread([durations[i] for i in range(1, len(mine))
+                                           if partial[i - 1] and not partial[i]])
+    return row
 
 
 def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0) -> dict:
@@ -54,7 +66,8 @@ def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0)
         "clients": {"conversations": len(timeline["conversations"]), "intervals": len(intervals),
                     "interval_ms": _spread(intervals),
                     "over_frame": sum(1 for i in intervals if i > FRAME_MS)},
-        "services": {name: service_row(rows, start, end) for name, rows in steps.items()},
+        "services": {name: service_row(rows, start, end, len(timeline["conversations"]))
+                     for name, rows in steps.items()},
     }
 
 
@@ -75,6 +88,13 @@ def print_report(r: dict) -> None:
         busy = "-" if row["busy"] is None else f"{row['busy']:.0%}"
         print(f"| {name} | {row['steps']} | {size} | {_ms(s['p50'])} / {_ms(s['p95'])} / {_ms(s['max'])} | "
               f"{_ms(q['p50'])} / {_ms(q['p95'])} | {_ms(g['p50'])} / {_ms(g['p95'])} | {busy} |")
+    print()
+    print(f"| service | partial steps (under {c['conversations']}) "
+          "| step p50 ms: full / partial / full after a partial |")
+    print("| --- | --- | --- |")
+    for name, row in r["services"].items():
+        print(f"| {name} | {row['partial']} | {_ms(row['full_step_ms']['p50'])} / {_ms(row['partial_step_ms']['p50'])}"
+              f" / {_ms(row['after_partial_ms']['p50'])} |")
 
 
 def _named(value: str) -> tuple[str, Path]:

@@ -101,7 +101,19 @@ def test_the_timeline_report_lines_up_client_intervals_with_service_steps(tmp_pa
     assert tts["step_ms"]["max"] == pytest.approx(60.0) and tts["step_ms"]["p50"] == pytest.approx(40.0)
     assert tts["queued_ms"]["max"] == pytest.approx(10.0) and tts["gap_ms"]["max"] == pytest.approx(40.0)
     assert tts["busy"] == pytest.approx(0.12)
+    # two conversations: the step of 2 is full, the others too (none smaller): no partial step
+    assert tts["partial"] == 0 and tts["full_step_ms"]["p50"] == pytest.approx(40.0)
+    assert tts["partial_step_ms"]["p50"] is None and tts["after_partial_ms"]["p50"] is None
     assert report.main([str(path), "--steps", f"tts={steps}"]) == 0
-    assert "| tts | 3 | 3.0 | 40.00 / " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tts | 3 | 3.0 | 40.00 / " in out and "| tts | 0 | 40.00 / - / - |" in out
+    # three conversations: the step of 2 is partial, the step of 4 the full one right after it
+    conversations = json.loads(path.read_text())
+    conversations["conversations"].append({"transport": "grpc", "first_sent_s": 0.0, "arrivals_s": [0.5]})
+    path.write_text(json.dumps(conversations))
+    assert report.main([str(path), "--steps", f"tts={steps}", "--json"]) == 0
+    tts = json.loads(capsys.readouterr().out)["services"]["tts"]
+    assert tts["partial"] == 1 and tts["partial_step_ms"]["p50"] == pytest.approx(20.0)
+    assert tts["after_partial_ms"]["p50"] == pytest.approx(40.0) and tts["full_step_ms"]["p50"] == pytest.approx(50.0)
     with pytest.raises(SystemExit):  # a --steps value that is not NAME=PATH
         report.main([str(path), "--steps", "tts"])
