@@ -2,28 +2,23 @@
 
 A batched step of S sessions writes each session's new key to its own cache and attends over each cache, or
 over the caches stacked (a copy of every key, every step). A `LayerGroup` keeps the stacked copy instead: the
-sessions' caches become its rows, and while the same sessions step together in the same order each step
-writes all their keys with one scatter and attends once, with no copies. Each cache still advances exactly as
-its own update would (`GroupedCache.plan_one`), and its `keys` are its rows, cut to its own buffer size: the
-array its own update would hold. A cache that steps any other way takes its rows back (`GroupedCache._own`).
+sessions' caches become its rows, and while they step together (all of them, or some while the others' frames
+are not due) each step writes the stepping ones' keys with one scatter and attends once, with no copies. Each
+cache still advances exactly as its own update would (`GroupedCache.plan_one`), and its `keys` are its rows, cut
+to its own buffer size: the array its own update would hold. A cache that steps any other way takes its rows
+back (`GroupedCache._own`).
 
-    group = LayerGroup.of(caches)                 # the group these caches are, if they are one
-    if group is not None and (plans := group.plans()) is not None:
-        out = group.step(q, k, v, plans, scale)   # one write, one attention
+    held = LayerGroup.holding(caches)             # (group, each cache's member index), if all are its members
+    if held is not None and (plans := held[0].plans(held[1])) is not None:
+        out = held[0].step(q, k, v, plans, scale, held[1])   # one write, one attention; the others untouched
     else:
         ...each cache's own update and attention...
         if LayerGroup.can_form(caches):
             LayerGroup(caches, per)               # their next steps take the path above
 
-A batch of only some of a group's sessions (the others' frames not due yet) keeps the group as it is:
-
-    held = LayerGroup.holding(caches)             # (group, each cache's member index), if all are its members
-    if held is not None and (plans := held[0].plans(held[1])) is not None:
-        out = held[0].step(q, k, v, plans, scale, held[1])   # the others sit the step out, untouched
-
-Re-forming a group copies every member's keys on every layer (and the next full batch copies them back), which
-on a GPU costs a batched speech step as much again as the step itself; a step of some members costs a few small
-gathers and scatters more than a step of all.
+Re-forming a group for each change of the batch would copy every member's keys on every layer (and the next
+full batch would copy them back), which on a GPU cost a batched speech step as much again as the step itself; a
+step of some members costs a few small gathers and scatters more than a step of all.
 """
 
 from __future__ import annotations
@@ -116,17 +111,6 @@ class LayerGroup:
         """Whether the caches can be stacked: every one holds keys, all of one dtype."""
         dtypes = {None if cache.keys is None else cache.keys.dtype for cache in caches}
         return len(dtypes) == 1 and None not in dtypes
-
-    @staticmethod
-    def of(caches: Sequence[GroupedCache]) -> LayerGroup | None:
-        """The group these caches are, all of it and in this order, if they are one."""
-        group = caches[0].group
-        if group is None or len(group.members) != len(caches):
-            return None
-        if any(cache is not member() or cache.group is not group
-               for cache, member in zip(caches, group.members, strict=True)):
-            return None
-        return group
 
     @staticmethod
     def holding(caches: Sequence[GroupedCache]) -> tuple[LayerGroup, list[int]] | None:
