@@ -443,6 +443,15 @@ class LanguageEngine:
             copies += pool.detach(grouped, layers)
         return copies
 
+    def _pool_holding(self, sessions: Sequence[LanguageSession]) -> tuple[_StatePool | None, list[int] | None]:
+        """The pool whose sessions include every one of `sessions`, with their rows in its stacks (after
+        `_settle_pools` such a pool is intact)."""
+        for pool in self._pools.values():
+            rows = pool.rows_of(sessions)
+            if rows is not None:
+                return pool, rows
+        return None, None
+
     def _step_group(self, steps: list[Step], to_eval: list[mx.array], heads: bool = True):
         """Build one group's batched step (every entry checked already), appending what to evaluate to
         `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs.
@@ -452,8 +461,7 @@ class LanguageEngine:
         batched = self.model.batched_step
         key = tuple(s.session_id for s in sessions)
         pool = self._pools.get(key)
-        holder, held = next(((p, rows) for p in self._pools.values() if (rows := p.rows_of(sessions)) is not None),
-                            (None, None)) if pool is None else (None, None)
+        holder, held = (None, None) if pool is not None else self._pool_holding(sessions)
         if pool is not None:
             states = pool.stacked
         elif holder is not None:  # some of a pool's sessions: their rows of its stacks
