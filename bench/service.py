@@ -121,7 +121,8 @@ async def drive(address: str, load: Workload, sessions: int, frames: int, warmup
 
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
-               llm_weights_dtype: str | None = None, float32_weights: bool = False) -> dict[int, dict]:
+               llm_weights_dtype: str | None = None, float32_weights: bool = False,
+               split_matmuls: bool = False) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path). The engine first precompiles the batch sizes up
     to the largest K, as a service this bench starts does. Returns {K: frames/s and per-step latency}."""
@@ -138,7 +139,8 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     elif name == "llm":
         from services.llm.engine import LanguageEngine
 
-        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights)
+        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights,
+                                     split_matmuls=split_matmuls)
         hidden = config.text_config.hidden_size
         open_one = lambda: engine.open_session("")  # noqa: E731
         batch = lambda live, i: engine.step_batch([  # noqa: E731
@@ -224,10 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--float32-weights", action="store_true",
                         help="perception, llm, tts: keep in float32 what the frames' matmuls convert (the services' "
                         "--float32-weights), for the started service and in-process")
+    parser.add_argument("--split-matmuls", action="store_true",
+                        help="llm only, on a CUDA GPU: the service's --split-matmuls, started and in-process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.float32_weights and args.service == "codec":
         parser.error("--float32-weights: the codec service has no such option")
+    if args.split_matmuls and args.service != "llm":
+        parser.error("--split-matmuls: only the llm service has it")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
     config = VoiceChatConfig.load(args.model)
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--precompile-batches", str(max(args.sessions))]
             extra += ["--weights-dtype", args.weights_dtype] if args.service == "llm" else []
             extra += ["--float32-weights"] if args.float32_weights else []
+            extra += ["--split-matmuls"] if args.split_matmuls else []
             child = spawn_service(args.service, args.model, extra)
             wait_ready([child])
             address, metrics_url = child.address, child.metrics_url
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if child is not None:
             stop([child])
     local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
-                        args.float32_weights) if args.in_process else {})
+                        args.float32_weights, args.split_matmuls) if args.in_process else {})
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
     if not args.grpc:
         rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]

@@ -1,7 +1,9 @@
 """Linear and embedding layers over checkpoint tensors, dense or affine-quantized.
 
 Both run exactly the MLX ops of `mlx.nn.Linear` / `QuantizedLinear` / `QuantizedEmbedding`, so their
-numbers equal the reference's bit for bit. Weights are read from a `Weights` by module path:
+numbers equal the reference's bit for bit; the one exception is a dense layer that `split_matmuls` marked, whose
+float32 inputs go to `split_matmul` (a CUDA GPU's tensor cores: float32's accuracy, not the same bits).
+Weights are read from a `Weights` by module path:
 
     >>> proj = Linear.from_weights(weights, "stt_model.perception.proj")
     >>> proj(x)  # x: (..., in) -> (..., out)
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from services.common import split_matmul
 from services.common.checkpoint import Weights
 from services.common.config import QuantSpec
 
@@ -31,6 +34,8 @@ class Linear:
     # dtype computes with them cast back (exactly: they hold values of that dtype), as it did before.
     narrow: mx.Dtype | None = None
     widened: tuple[str, ...] = ()
+    # float32 inputs meet the dense bf16 weight in `split_matmul` (a CUDA GPU's tensor cores), not in a cast
+    split: bool = False
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, *, bias: bool | None = None) -> Linear:
@@ -61,6 +66,9 @@ class Linear:
             weight, bias, scales, biases = (a.astype(self.narrow) if name in self.widened else a
                                             for name, a in arrays.items())
         if self.spec is None:
+            if self.split and x.dtype == mx.float32:
+                y = split_matmul.split_matmul(x, weight)
+                return y + bias if bias is not None else y
             if bias is not None:
                 return mx.addmm(bias, x, weight.T)
             return x @ weight.T
@@ -187,7 +195,7 @@ def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) 
     of that dtype, so modules that also see narrow activations compute as before too.
     """
     converted: list[mx.array] = []
-    if isinstance(module, kinds):
+    if isinstance(module, kinds) and not getattr(module, "split", False):  # a split Linear keeps its bf16 weight
         quantized = getattr(module, "spec", None) is not None
         fields = ("scales", "biases", "bias") if quantized else getattr(module, "WIDEN", ("weight", "bias"))
         names = [name for name in fields if _narrower(getattr(module, name), dtype)]
@@ -202,13 +210,31 @@ def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) 
         for name in names:
             setattr(module, name, getattr(module, name).astype(dtype))
             converted.append(getattr(module, name))
-    if dataclasses.is_dataclass(module) and not isinstance(module, type):
-        for field in dataclasses.fields(module):
-            converted += widen(getattr(module, field.name), dtype, kinds)
-    elif isinstance(module, list | tuple):
-        for item in module:
-            converted += widen(item, dtype, kinds)
+    for child in _children(module):
+        converted += widen(child, dtype, kinds)
     return converted
+
+
+def split_matmuls(module: object) -> int:
+    """Have every dense Linear under `module` whose weight `split_matmul` supports (bf16, both sides multiples
+    of 16) take float32 inputs through it; returns how many do. Call it before `widen`, which then leaves those
+    weights in bf16. Inputs of any other dtype compute as before."""
+    count = 0
+    if isinstance(module, Linear) and module.spec is None and split_matmul.supports(module.weight):
+        module.split = True
+        count += 1
+    for child in _children(module):
+        count += split_matmuls(child)
+    return count
+
+
+def _children(module: object) -> list[object]:
+    """The values a module holds: a dataclass's fields, a list's or tuple's items (others hold none)."""
+    if dataclasses.is_dataclass(module) and not isinstance(module, type):
+        return [getattr(module, field.name) for field in dataclasses.fields(module)]
+    if isinstance(module, list | tuple):
+        return list(module)
+    return []
 
 
 def as_stored(array: mx.array, narrow: mx.Dtype | None, dtype: mx.Dtype) -> mx.array:

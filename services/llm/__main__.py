@@ -26,13 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--weights-dtype bfloat16: twice their memory) or the quantized layers' scales and biases (stored: "
              "about 1/16 byte more a parameter); identical outputs, fewer conversions per frame",
     )
+    parser.add_argument(
+        "--split-matmuls", action="store_true",
+        help="CUDA GPU only, with dense bf16 projections (--weights-dtype bfloat16): each frame's float32 "
+             "activations meet the bf16 weights on the tensor cores, split into three bf16 parts whose exact "
+             "products are summed in float32: float32's accuracy, the weights read once as bf16 (no float32 "
+             "copies: with --float32-weights only the other arrays are widened)",
+    )
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
     return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, BatchOptions.from_args(args),
-                      args.float32_weights)
+                      args.float32_weights, args.split_matmuls)
 
 
 if __name__ == "__main__":

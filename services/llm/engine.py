@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import Tokenizer
 
+from services.common import layers, split_matmul
 from services.common.batching import raise_first
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
@@ -231,16 +232,24 @@ class LanguageEngine:
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-             weights_dtype: str | None = None, float32_weights: bool = False) -> LanguageEngine:
+             weights_dtype: str | None = None, float32_weights: bool = False,
+             split_matmuls: bool = False) -> LanguageEngine:
         """weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
         batch almost for free on a GPU); None keeps them as stored.
 
         float32_weights keeps the arrays that the float32 activations of every frame step convert in each call
         in float32 instead: the projections' dense weights or a quantized layer's scales and biases, the norms'
         weights, the Mamba convolutions' weights and D (outputs identical; twice those arrays' memory). The
-        bfloat16 prompt prefix computes with them cast back."""
+        bfloat16 prompt prefix computes with them cast back.
+
+        split_matmuls (a CUDA GPU only) has the dense bf16 projections (`weights_dtype` "bfloat16", or a bf16
+        checkpoint) meet float32 activations in `split_matmul`, on the tensor cores at float32's accuracy,
+        instead of a cast or a float32 copy; with float32_weights the other arrays are still kept in float32."""
         if weights_dtype not in (None, "stored", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
+        if split_matmuls and not split_matmul.available():
+            raise ValueError("split matmuls run on a CUDA GPU's tensor cores; MLX here has no CUDA device "
+                             "(leave --split-matmuls off)")
         checkpoint = Checkpoint(model_dir)
         try:
             weights = checkpoint.load(WEIGHT_PREFIXES)
@@ -248,9 +257,12 @@ class LanguageEngine:
                 weights = weights.dequantized(mx.bfloat16)
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
+            modules = [model.backbone, model.lm_head, model.function_head]
+            if split_matmuls and not layers.split_matmuls(modules):
+                raise ValueError(f"{model_dir}: no dense bf16 projection for split matmuls (quantized ones stay "
+                                 "quantized unless --weights-dtype bfloat16)")
             if float32_weights:
-                mx.eval(widen([model.backbone, model.lm_head, model.function_head], mx.float32,
-                              (Linear, Block, NemotronH, Mamba2Mixer)))
+                mx.eval(widen(modules, mx.float32, (Linear, Block, NemotronH, Mamba2Mixer)))
                 del weights
                 mx.clear_cache()
         finally:

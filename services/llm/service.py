@@ -53,10 +53,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         return self._engine
 
     async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                   weights_dtype: str | None = None, float32_weights: bool = False) -> None:
+                   weights_dtype: str | None = None, float32_weights: bool = False,
+                   split_matmuls: bool = False) -> None:
         """Load the checkpoint's language tensors and tokenizer on the engine thread."""
         self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, weights_dtype,
-                                                    float32_weights)
+                                                    float32_weights, split_matmuls)
         await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
@@ -146,14 +147,14 @@ def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
                weights_dtype: str | None = None, batching: BatchOptions | None = None,
-               float32_weights: bool = False) -> ServiceSpec:
+               float32_weights: bool = False, split_matmuls: bool = False) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
     servicer = LanguageServicer(engine_thread, batching=batching)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(model_dir, max_prompt_tokens, weights_dtype, float32_weights),
+        load=lambda: servicer.load(model_dir, max_prompt_tokens, weights_dtype, float32_weights, split_matmuls),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )
