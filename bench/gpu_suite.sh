@@ -13,7 +13,7 @@
 #              CUDA backend groups a frame's kernels into graphs (MLX_MAX_OPS_PER_BUFFER, default 20 a graph;
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
-#              as stored, in bf16, and in bf16 with --float32-weights)
+#              as stored, in bf16, in bf16 with --float32-weights, and with --split-matmuls too)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
 #              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
 #              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
@@ -43,6 +43,9 @@ sessions=${SESSIONS:-16}
 seconds=${AUDIO_SECONDS:-10}
 py=${PYTHON:-python3}
 batched="--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--precompile-batches=$sessions"
+cuda=0  # the language model's split matmuls, in the live run and the engines step, need MLX's CUDA backend
+"$py" -c "import mlx.core as mx, sys; sys.exit(not mx.cuda.is_available())" 2>/dev/null && cuda=1
+[ $cuda = 1 ] && batched="$batched --service-flags llm=--split-matmuls"
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags=${SERVE_FLAGS:-$batched}
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
@@ -106,6 +109,8 @@ if wants engines; then
     --warmup 5 --no-grpc --weights-dtype bfloat16
   step engine-llm-bf16-float32 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
     --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
+  [ $cuda = 1 ] && step engine-llm-bf16-split "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
+    --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights --split-matmuls
 fi
 if wants rtf && [ -n "$reference" ]; then
   # shellcheck disable=SC2086  # a list of flags
