@@ -10,7 +10,8 @@ Here each activation x is split into three bf16 parts, x = hi + mid + lo (hi = b
 lo = bf16(x - hi - mid): 24 bits of mantissa, all of float32's), and x W^T = hi W^T + mid W^T + lo W^T is
 computed by bf16 tensor-core products accumulated in float32. Each product of two bf16 values is exact in
 float32, so the only rounding is the accumulation's, as in a float32 GEMM (against a float64 product of
-16 x 4480 by 4480 x 22656: largest error 2.5e-6 of the output's scale here, 1.7e-6 for cuBLAS's float32 GEMM).
+16 x 4480 by 4480 x 22656, in an 8-warp layout: largest error 2.5e-6 of the output's scale, 1.7e-6 for cuBLAS's
+float32 GEMM; the GPU tests hold the kernel to 4 times cuBLAS's error).
 The weights are read once, as bf16. On an H200, the language model's matmuls of one 16-session step, each timed
 one after another, sum to 16.7 ms against 28.4 with float32 copies, and the engine's whole 16-session step takes
 28.9 ms instead of 37.9 (`docs/performance.md`).
@@ -29,8 +30,11 @@ import mlx.core as mx
 
 TILE = 16  # the tensor-core fragment: 16 x 16 x 16, bf16 in, float32 accumulated
 WARPS = 16  # warps of a block: each takes every WARPS-th 16-wide step along K, then the block sums them in order
-TILES = 4  # 16-column tiles of W per block; 8 for outputs of 65536 columns or more (the best of 8 layouts measured
-WIDE_TILES, WIDE = 8, 65536  # one after another on an H200, see docs/performance.md)
+# 16-column tiles of W per block: the best of 8 layouts, each timed one matmul after another on an H200
+# (docs/performance.md); outputs of at least WIDE columns (the language heads) take WIDE_TILES
+TILES = 4
+WIDE_TILES = 8
+WIDE = 65536
 
 # x (M, K) float32 -> parts (3, Mp, K) bf16: hi, mid, lo, rows past M zero (Mp: M rounded up to 16).
 _SPLIT_SOURCE = """
