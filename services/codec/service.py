@@ -15,7 +15,7 @@ import numpy as np
 
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine, DecodeStream
-from services.common.batching import BatchOptions, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
 from services.common.cli import ServiceSpec
 from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
@@ -37,7 +37,8 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
         self.metrics = metrics or Metrics("codec")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._decode_frames, batching or BatchOptions(),
-                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
+                                                key=session_of)
 
     @property
     def engine(self) -> CodecEngine:
@@ -82,13 +83,16 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
                     samples_per_frame=engine.samples_per_frame, sample_rate_hz=engine.sample_rate
                 )
             )
-            async for request in request_iterator:
+
+            async def decode(request: codec_pb2.CodecDecodeStreamRequest) -> codec_pb2.CodecDecodeStreamResponse:
                 started = time.perf_counter()
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError("after `open`, every DecodeStream message must be a `frame`")
-                frame = request.frame
-                response = await self.batcher.submit((stream, frame))
+                response = await self.batcher.submit((stream, request.frame))
                 self.metrics.frame(time.perf_counter() - started)
+                return response
+
+            async for response in pipelined(request_iterator, decode):
                 yield response
         finally:
             self.live_sessions -= 1

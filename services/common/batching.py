@@ -7,12 +7,17 @@ that moment (up to `max_batch`) to the service's batched engine call in one engi
     result = await batcher.submit((session, text_id))    # from each stream's handler
 
 While a batch runs, the steps that arrive queue and form the next one, so batches grow with load: continuous
-batching. When the engine is idle, a step waits for company only while fewer steps are queued than sessions are
-open, and at most `gather_s` (a few ms): sessions whose frames arrive together then share one batch instead of
-the first running alone and the rest after it. One session alone never waits and runs batches of one (the
+batching. When the engine is idle, a step waits for company only while fewer sessions have a step queued than
+are open, and at most `gather_s` (a few ms): sessions whose frames arrive together then share one batch instead
+of the first running alone and the rest after it. One session alone never waits and runs batches of one (the
 engines' solo path), straight from its own handler: no batching task, no extra turns of the event loop. Batched
 calls return one result per entry, an exception instance for an entry that failed on its own (bad input), so one
 session's error reaches that session only.
+
+The services' stream handlers read ahead (`pipelined`): a session's next request is submitted as soon as it has
+arrived, while its last step still runs, and the batcher (keyed by session, `session_of`) keeps one step of each
+session per batch, in order. So the next batch is formed the moment the last one ends, from the steps queued
+meanwhile, instead of after every handler has written its answer and read its next request.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -31,6 +36,7 @@ Entry = TypeVar("Entry")
 Result = TypeVar("Result")
 Prepared = TypeVar("Prepared")
 Output = TypeVar("Output")
+Request = TypeVar("Request")
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_GATHER_S = 0.002
@@ -62,7 +68,10 @@ class StepBatcher(Generic[Entry, Result]):
     `submit` calls must come from one event loop (a gRPC aio server's).
 
     `sessions()` says how many sessions are open (steps that may come); with it, a batch waits up to `gather_s`
-    for that many steps before it starts. Without it no batch waits. `precompile` is the largest batch size
+    for that many sessions' steps before it starts. Without it no batch waits. `key(entry)` names the session
+    an entry belongs to: a session may then have its next steps queued while one runs (a stream reading ahead,
+    `pipelined`), and a batch takes the first waiting step of each session only, the later ones staying queued
+    in order for the batches after it. `precompile` is the largest batch size
     `precompile()` has the engine trace at load (capped at max_batch). A `step_log` gets one line per batched call
     (when the batch was formed, when the engine thread began and ended it, its size)."""
 
@@ -70,7 +79,8 @@ class StepBatcher(Generic[Entry, Result]):
                  run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]],
                  max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
                  sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S,
-                 precompile: int = 0, step_log: StepLog | None = None) -> None:
+                 precompile: int = 0, step_log: StepLog | None = None,
+                 key: Callable[[Entry], Hashable] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= gather_s < 1:
@@ -83,6 +93,7 @@ class StepBatcher(Generic[Entry, Result]):
         self.gather_s = gather_s
         self.precompile_sizes = min(max(precompile, 0), max_batch)
         self.step_log = step_log
+        self.key = key
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
@@ -93,9 +104,10 @@ class StepBatcher(Generic[Entry, Result]):
     def with_options(cls, engine_thread: EngineThread,
                      run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]], options: BatchOptions,
                      on_batch: Callable[[int], None] | None = None,
-                     sessions: Callable[[], int] | None = None) -> StepBatcher[Entry, Result]:
+                     sessions: Callable[[], int] | None = None,
+                     key: Callable[[Entry], Hashable] | None = None) -> StepBatcher[Entry, Result]:
         return cls(engine_thread, run_batch, options.max_batch, on_batch, sessions, options.gather_s,
-                   options.precompile, options.step_log)
+                   options.precompile, options.step_log, key)
 
     async def precompile(self, precompile: Callable[[int], None]) -> None:
         """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
@@ -145,8 +157,7 @@ class StepBatcher(Generic[Entry, Result]):
         try:
             while self._waiting:
                 await self._gather()
-                taken, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
-                batch = [(entry, future) for entry, future in taken if not future.done()]  # cancelled callers
+                batch = self._take()
                 if batch:
                     await self._run(batch)
         except asyncio.CancelledError:  # the event loop is shutting down: nobody is left to answer
@@ -157,13 +168,35 @@ class StepBatcher(Generic[Entry, Result]):
         finally:
             self._drainer = None
 
+    def _take(self) -> list[tuple[Entry, asyncio.Future[Result]]]:
+        """The next batch, taken from the queue: at most max_batch steps in their order, one per session when
+        steps are keyed (a session's later steps stay queued), callers cancelled meanwhile dropped."""
+        live = [(entry, future) for entry, future in self._waiting if not future.done()]
+        if self.key is None:
+            batch, self._waiting = live[: self.max_batch], live[self.max_batch :]
+            return batch
+        batch, self._waiting, taken = [], [], set()
+        for entry, future in live:
+            session = self.key(entry)
+            if len(batch) < self.max_batch and session not in taken:
+                taken.add(session)
+                batch.append((entry, future))
+            else:
+                self._waiting.append((entry, future))
+        return batch
+
+    def _sessions_waiting(self) -> int:
+        if self.key is None:
+            return len(self._waiting)
+        return len({self.key(entry) for entry, _ in self._waiting})
+
     async def _gather(self) -> None:
-        """Wait up to gather_s while fewer steps are queued than sessions are open (and max_batch allows)."""
+        """Wait up to gather_s while fewer sessions have a step queued than are open (and max_batch allows)."""
         if self.sessions is None or self.gather_s <= 0:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.gather_s
-        while len(self._waiting) < min(self.max_batch, self.sessions()):
+        while self._sessions_waiting() < min(self.max_batch, self.sessions()):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
@@ -203,6 +236,63 @@ class StepBatcher(Generic[Entry, Result]):
         if len(results) != len(entries):
             raise RuntimeError(f"a batched step returned {len(results)} results for {len(entries)} entries")
         return results
+
+
+def session_of(entry: tuple) -> int:
+    """The batcher `key` of the services' entries, `(session, request...)` tuples: the session object."""
+    return id(entry[0])
+
+
+async def pipelined(requests: AsyncIterator[Request], start: Callable[[Request], Awaitable[Result]],
+                    ahead: int = 1) -> AsyncIterator[Result]:
+    """A stream's answers, in order: `start(request)` runs for each request as soon as it has arrived, up to
+    `ahead` requests beyond the one whose answer is being waited for, and each answer is yielded when ready.
+
+    A handler that reads its next request only after writing its last answer leaves its service's next batch
+    waiting for that turnaround, sixteen streams' worth of it; reading ahead, the next steps are queued while
+    the batch before them runs (the batcher, keyed by session, keeps a session's steps in order, one per batch),
+    so the next batch starts as the last one ends and the answers are written meanwhile. A `start` that checks
+    its request against the session must therefore count what it accepted itself, not read what the engine has
+    stepped. The first failure is raised after the answers before it; the requests read beyond it are cancelled
+    (a step already in a running batch runs to its end, unanswered)."""
+    if ahead < 0:
+        raise ValueError(f"ahead must be at least 0, got {ahead}")
+    room = asyncio.Semaphore(ahead + 1)
+    started: asyncio.Queue[asyncio.Future[Result] | BaseException | None] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            while True:
+                await room.acquire()
+                request = await anext(requests, _END)
+                if request is _END:
+                    break
+                started.put_nowait(asyncio.ensure_future(start(request)))
+        except Exception as error:  # noqa: BLE001 - the stream's own failure, raised in order
+            started.put_nowait(error)
+            return
+        started.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    item: asyncio.Future[Result] | BaseException | None = None
+    try:
+        while (item := await started.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            answer = await item
+            room.release()
+            yield answer
+    finally:  # an error, or the stream closed or cancelled: nothing read beyond it is answered
+        reader.cancel()
+        pending = [item] if isinstance(item, asyncio.Future) else []
+        while not started.empty():
+            pending.append(started.get_nowait())
+        for future in pending:
+            if isinstance(future, asyncio.Future):
+                future.cancel()
+
+
+_END = object()
 
 
 def raise_first(results: Sequence[object]) -> None:

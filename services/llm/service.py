@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from protos.voicechat.v1 import language_pb2, language_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
@@ -45,7 +45,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
-                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
+                                                key=session_of)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -80,16 +81,19 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 await self.batcher.submit((session, None))
             opened = await self.engine_thread.run(_opened, engine, session)
             yield language_pb2.LanguageStreamResponse(opened=opened)
-            async for request in request_iterator:
+
+            async def step(request: language_pb2.LanguageStreamRequest) -> language_pb2.LanguageStreamResponse:
                 started = time.perf_counter()
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
-                step = request.step
-                if not step.HasField("audio_embedding"):
+                if not request.step.HasField("audio_embedding"):
                     raise ValueError("LanguageStep.audio_embedding is missing")
-                result = await self.batcher.submit((session, step))
+                result = await self.batcher.submit((session, request.step))
                 self.metrics.frame(time.perf_counter() - started)
-                yield language_pb2.LanguageStreamResponse(step=result)
+                return language_pb2.LanguageStreamResponse(step=result)
+
+            async for response in pipelined(request_iterator, step):  # the next step queued while this one runs
+                yield response
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
             # step still running for it (a step still waiting for its batch is dropped with its cancelled

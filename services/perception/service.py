@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher, run_entries
+from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
@@ -34,7 +34,8 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
         self.metrics = metrics or Metrics("perception")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._push_frames, batching or BatchOptions(),
-                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
+                                                key=session_of)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
@@ -75,18 +76,25 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                 opened=perception_pb2.PerceptionOpened(frame_samples=engine.frame_samples,
                                                        embedding_dim=engine.embedding_dim)
             )
-            async for request in request_iterator:
+            expected = stream.frame_index  # counted as frames are accepted: the next may queue while one runs
+
+            async def push(request: perception_pb2.PerceptionStreamRequest) -> perception_pb2.PerceptionStreamResponse:
+                nonlocal expected
                 started = time.perf_counter()
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError(f"after `open` every Stream message must be `frame`, got "
                                      f"{request.WhichOneof('payload') or 'an empty message'}")
                 frame = request.frame
-                if frame.frame_index != stream.frame_index:
-                    raise ValueError(f"frame_index {frame.frame_index} out of order; expected {stream.frame_index}")
+                if frame.frame_index != expected:
+                    raise ValueError(f"frame_index {frame.frame_index} out of order; expected {expected}")
                 if not frame.HasField("samples"):
                     raise ValueError(f"frame {frame.frame_index} has no samples")
+                expected += 1
                 response = await self.batcher.submit((stream, frame))
                 self.metrics.frame(time.perf_counter() - started)
+                return response
+
+            async for response in pipelined(request_iterator, push):
                 yield response
         finally:
             self.live_sessions -= 1

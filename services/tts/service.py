@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher
+from services.common.batching import BatchOptions, StepBatcher, pipelined, session_of
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.metrics import Metrics
@@ -35,7 +35,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self.metrics = metrics or Metrics("tts")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
-                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions)
+                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
+                                                key=session_of)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False,
                    max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
@@ -83,8 +84,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 await self.batcher.submit((session, engine.config.pad_token_id))
             yield speech_pb2.SpeechStreamResponse(
                 opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
-            expected: int | None = None
-            async for request in request_iterator:
+            expected: int | None = None  # counted as steps are accepted: the next may queue while one runs
+
+            async def speak(request: speech_pb2.SpeechStreamRequest) -> speech_pb2.SpeechStreamResponse:
+                nonlocal expected
                 started = time.perf_counter()
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every SpeechStream message must be a `step`")
@@ -92,11 +95,14 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 if step.frame_index < 0 or (expected is not None and step.frame_index != expected):
                     want = "a non-negative index" if expected is None else str(expected)
                     raise ValueError(f"SpeechStep.frame_index {step.frame_index}: expected {want}")
-                raw, clean = await self.batcher.submit((session, step.text_token_id))
                 expected = step.frame_index + 1
+                raw, clean = await self.batcher.submit((session, step.text_token_id))
                 response = speech_pb2.SpeechStreamResponse(step=speech_pb2.SpeechStepResult(
                     frame_index=step.frame_index, codes=to_proto_np(raw), clean_codes=to_proto_np(clean)))
                 self.metrics.frame(time.perf_counter() - started)
+                return response
+
+            async for response in pipelined(request_iterator, speak):
                 yield response
         finally:
             self.live_sessions -= 1

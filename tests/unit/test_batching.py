@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.common.batching import StepBatcher, run_entries
+from services.common.batching import StepBatcher, pipelined, run_entries
 from services.common.engine_thread import EngineThread
 
 
@@ -385,3 +385,167 @@ def test_a_step_log_that_cannot_be_written_stops_without_failing_the_step(tmp_pa
     assert len([r for r in caplog.records if "no more steps are logged" in r.getMessage()]) == 1
     with pytest.raises(OSError):
         StepLog.open(path)  # opening says so at once
+
+
+class Keyed:
+    """A batched 'engine' over (session, n) entries: each entry -> n * 10; every batch is recorded."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, int]]] = []
+
+    def __call__(self, entries: list[tuple[str, int]]) -> list[int]:
+        self.batches.append(list(entries))
+        return [n * 10 for _, n in entries]
+
+
+def test_a_keyed_batch_takes_one_step_per_session_and_keeps_each_sessions_order(engine_thread):
+    keyed = Keyed()
+    batcher = StepBatcher(engine_thread, keyed, max_batch=2, key=lambda entry: entry[0])
+
+    async def scenario():
+        steps = [("a", 1), ("a", 2), ("b", 1), ("a", 3), ("c", 1), ("b", 2)]
+        return await asyncio.gather(*(batcher.submit(step) for step in steps))
+
+    assert asyncio.run(scenario()) == [10, 20, 10, 30, 10, 20]
+    assert keyed.batches == [[("a", 1), ("b", 1)], [("a", 2), ("c", 1)], [("a", 3), ("b", 2)]]
+
+
+def test_the_gather_counts_sessions_not_steps(engine_thread):
+    keyed = Keyed()
+    batcher = StepBatcher(engine_thread, keyed, sessions=lambda: 2, gather_s=0.3, key=lambda entry: entry[0])
+
+    async def scenario():
+        first = [asyncio.ensure_future(batcher.submit(("a", n))) for n in (1, 2)]  # one session, read ahead
+        await asyncio.sleep(0.05)  # inside the window: two steps queued, but session b has none yet
+        return await asyncio.gather(*first, batcher.submit(("b", 1)))
+
+    assert asyncio.run(scenario()) == [10, 20, 10]
+    assert keyed.batches == [[("a", 1), ("b", 1)], [("a", 2)]]  # counting steps, [("a", 1)] would have run alone
+
+
+def test_steps_queued_during_a_batch_start_the_next_batch_without_a_gather_wait(engine_thread):
+    recorder = Recorder()
+    batcher = StepBatcher(engine_thread, recorder, sessions=lambda: 2, gather_s=0.9, key=lambda entry: entry % 2)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        recorder.hold.clear()
+        running = [asyncio.ensure_future(batcher.submit(n)) for n in (0, 1)]
+        await _wait_started(recorder)
+        ahead = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]  # both sessions' next steps
+        await asyncio.sleep(0.01)
+        recorder.hold.set()
+        results = await asyncio.gather(*running, *ahead)
+        return results, loop.time() - start
+
+    results, elapsed = asyncio.run(scenario())
+    assert results == [0, 10, 20, 30] and elapsed < 0.5  # a gather wait would be 0.9 s
+    assert recorder.batches == [[0, 1], [2, 3]]
+
+
+async def _requests(items, read):
+    for item in items:
+        read.append(item)
+        yield item
+
+
+def test_pipelined_answers_in_order_and_starts_the_next_request_before_the_last_answer_is_taken():
+    events = []
+
+    async def start(n):
+        events.append(f"start {n}")
+        await asyncio.sleep(0.01 * (4 - n))  # later requests finish sooner: the order must still hold
+        return n * 10
+
+    async def scenario():
+        answers = []
+        async for answer in pipelined(_requests(range(4), []), start):
+            events.append(f"answer {answer}")
+            answers.append(answer)
+            await asyncio.sleep(0.002)  # the answer's write
+        return answers
+
+    assert asyncio.run(scenario()) == [0, 10, 20, 30]
+    for n in range(3):
+        assert events.index(f"start {n + 1}") < events.index(f"answer {n * 10}")
+
+
+def test_pipelined_reads_at_most_ahead_requests_beyond_the_awaited_one():
+    gate = asyncio.Event
+    state = {"started": 0, "answered": 0, "most": 0}
+
+    async def start(n):
+        state["started"] += 1
+        state["most"] = max(state["most"], state["started"] - state["answered"])
+        await state["gate"].wait()
+        return n
+
+    async def scenario():
+        state["gate"] = gate()
+        read = []
+        stream = pipelined(_requests(range(10), read), start, ahead=2)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.02)
+        held = (state["started"], len(read))
+        state["gate"].set()
+        answers = [await first]
+        async for answer in stream:
+            state["answered"] += 1
+            answers.append(answer)
+        return held, answers
+
+    held, answers = asyncio.run(scenario())
+    assert held == (3, 3) and answers == list(range(10)) and state["most"] <= 3
+
+
+def test_pipelined_raises_a_failure_after_the_answers_before_it_and_cancels_what_it_read_beyond():
+    cancelled = []
+
+    async def start(n):
+        if n == 2:
+            raise ValueError("bad request 2")
+        try:
+            await asyncio.sleep(0.05 if n > 2 else 0)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        return n
+
+    async def scenario():
+        answers = []
+        with pytest.raises(ValueError, match="bad request 2"):
+            async for answer in pipelined(_requests(range(6), []), start):
+                answers.append(answer)
+                await asyncio.sleep(0.002)  # the answer's write
+        await asyncio.sleep(0.1)
+        return answers
+
+    assert asyncio.run(scenario()) == [0, 1]
+    assert cancelled == [3]  # read ahead of the failure, never answered
+
+
+def test_pipelined_raises_a_broken_request_stream_in_order():
+    async def broken():
+        yield 1
+        raise ConnectionError("stream reset")
+
+    async def start(n):
+        return n
+
+    async def scenario():
+        answers = []
+        with pytest.raises(ConnectionError, match="stream reset"):
+            async for answer in pipelined(broken(), start):
+                answers.append(answer)
+        return answers
+
+    assert asyncio.run(scenario()) == [1]
+
+
+def test_pipelined_ahead_must_not_be_negative():
+    async def scenario():
+        with pytest.raises(ValueError, match="ahead must be at least 0"):
+            await anext(pipelined(_requests([], []), lambda n: n, ahead=-1))
+
+    asyncio.run(scenario())
