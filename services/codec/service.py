@@ -92,7 +92,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, decode):
+            async for response in pipelined(request_iterator, decode, self.batcher.read_ahead):
                 yield response
         finally:
             self.live_sessions -= 1

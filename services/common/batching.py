@@ -14,10 +14,11 @@ engines' solo path), straight from its own handler: no batching task, no extra t
 calls return one result per entry, an exception instance for an entry that failed on its own (bad input), so one
 session's error reaches that session only.
 
-The services' stream handlers read ahead (`pipelined`): a session's next request is submitted as soon as it has
-arrived, while its last step still runs, and the batcher (keyed by session, `session_of`) keeps one step of each
-session per batch, in order. So the next batch is formed the moment the last one ends, from the steps queued
-meanwhile, instead of after every handler has written its answer and read its next request.
+With `--read-ahead N` the services' stream handlers read ahead (`pipelined`): a session's next request is
+submitted as soon as it has arrived, while its last step still runs, and the batcher (keyed by session,
+`session_of`) keeps one step of each session per batch, in order. So the next batch is formed the moment the
+last one ends, from the steps queued meanwhile, instead of after every handler has written its answer and read
+its next request.
 """
 
 from __future__ import annotations
@@ -46,18 +47,21 @@ DEFAULT_GATHER_S = 0.002
 class BatchOptions:
     """How a service batches: at most `max_batch` sessions per step, a gather wait of `gather_s`, and the batch
     sizes 1..`precompile` traced at load (0: each size is traced when it first occurs); `step_log` records every
-    step's times and size."""
+    step's times and size; `read_ahead` is how many requests of a stream its handler reads and queues beyond
+    the step it waits for (`pipelined`)."""
 
     max_batch: int = DEFAULT_MAX_BATCH
     gather_s: float = DEFAULT_GATHER_S
     precompile: int = 0
     step_log: StepLog | None = None
+    read_ahead: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BatchOptions:
-        """From the common service flags --max-batch, --batch-wait-ms, --precompile-batches and --step-log."""
+        """From the common service flags --max-batch, --batch-wait-ms, --precompile-batches, --step-log and
+        --read-ahead."""
         log = StepLog.open(args.step_log) if args.step_log is not None else None
-        return cls(args.max_batch, args.batch_wait_ms / 1000.0, args.precompile_batches, log)
+        return cls(args.max_batch, args.batch_wait_ms / 1000.0, args.precompile_batches, log, args.read_ahead)
 
 
 class StepBatcher(Generic[Entry, Result]):
@@ -80,7 +84,7 @@ class StepBatcher(Generic[Entry, Result]):
                  max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
                  sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S,
                  precompile: int = 0, step_log: StepLog | None = None,
-                 key: Callable[[Entry], Hashable] | None = None) -> None:
+                 key: Callable[[Entry], Hashable] | None = None, read_ahead: int = 0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= gather_s < 1:
@@ -94,6 +98,7 @@ class StepBatcher(Generic[Entry, Result]):
         self.precompile_sizes = min(max(precompile, 0), max_batch)
         self.step_log = step_log
         self.key = key
+        self.read_ahead = read_ahead  # for the handlers that submit here (`pipelined(..., batcher.read_ahead)`)
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
@@ -107,7 +112,7 @@ class StepBatcher(Generic[Entry, Result]):
                      sessions: Callable[[], int] | None = None,
                      key: Callable[[Entry], Hashable] | None = None) -> StepBatcher[Entry, Result]:
         return cls(engine_thread, run_batch, options.max_batch, on_batch, sessions, options.gather_s,
-                   options.precompile, options.step_log, key)
+                   options.precompile, options.step_log, key, options.read_ahead)
 
     async def precompile(self, precompile: Callable[[int], None]) -> None:
         """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
@@ -247,6 +252,7 @@ async def pipelined(requests: AsyncIterator[Request], start: Callable[[Request],
                     ahead: int = 1) -> AsyncIterator[Result]:
     """A stream's answers, in order: `start(request)` runs for each request as soon as it has arrived, up to
     `ahead` requests beyond the one whose answer is being waited for, and each answer is yielded when ready.
+    With `ahead` 0, each request is read once the last answer has been taken (the plain loop).
 
     A handler that reads its next request only after writing its last answer leaves its service's next batch
     waiting for that turnaround, sixteen streams' worth of it; reading ahead, the next steps are queued while
@@ -257,6 +263,10 @@ async def pipelined(requests: AsyncIterator[Request], start: Callable[[Request],
     (a step already in a running batch runs to its end, unanswered)."""
     if ahead < 0:
         raise ValueError(f"ahead must be at least 0, got {ahead}")
+    if ahead == 0:
+        async for request in requests:
+            yield await start(request)
+        return
     room = asyncio.Semaphore(ahead + 1)
     started: asyncio.Queue[asyncio.Future[Result] | BaseException | None] = asyncio.Queue()
 

@@ -91,6 +91,15 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"them to join the batch (default {DEFAULT_GATHER_S * 1000.0:g}; 0 never waits; a lone session never waits)",
     )
     parser.add_argument(
+        "--read-ahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="read and queue up to N requests of a stream beyond the step it waits for, so the next batch forms "
+        "as the last one ends from the steps queued meanwhile, not after every stream has written its answer and "
+        "read its next request (default 0: the next request is read once the last answer is written)",
+    )
+    parser.add_argument(
         "--precompile-batches",
         type=int,
         default=0,
@@ -143,6 +152,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--max-batch {args.max_batch}: must be at least 1")
     if args.precompile_batches < 0:
         parser.error(f"--precompile-batches {args.precompile_batches}: must be zero or more")
+    if not 0 <= args.read_ahead <= 16:
+        parser.error(f"--read-ahead {args.read_ahead}: must be 0..16")
     if not 0 <= args.batch_wait_ms < 1000:
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
     if args.step_log is not None and not args.step_log.parent.is_dir():

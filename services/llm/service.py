@@ -92,7 +92,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return language_pb2.LanguageStreamResponse(step=result)
 
-            async for response in pipelined(request_iterator, step):  # the next step queued while this one runs
+            async for response in pipelined(request_iterator, step, self.batcher.read_ahead):
                 yield response
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any

@@ -94,7 +94,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, push):
+            async for response in pipelined(request_iterator, push, self.batcher.read_ahead):
                 yield response
         finally:
             self.live_sessions -= 1

@@ -102,7 +102,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, speak):
+            async for response in pipelined(request_iterator, speak, self.batcher.read_ahead):
                 yield response
         finally:
             self.live_sessions -= 1

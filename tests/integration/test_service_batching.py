@@ -117,6 +117,38 @@ def test_concurrent_sessions_batch_and_each_equals_its_solo_run(tiny_checkpoint,
             assert a == b, f"{name}: session seed {seed}, frame {index}: the batched reply differs from solo"
 
 
+async def run_ahead(channel, load, frames: int, seed: int) -> list[bytes]:
+    """A session that sends all its frames before reading any reply (as a client sending ahead does)."""
+    rng = np.random.default_rng(seed)
+    call = getattr(load.stub(channel), load.method)()
+    await call.write(load.open)
+    await call.read()
+    for index in range(frames):
+        await call.write(load.frame(index, rng))
+    await call.done_writing()
+    return [(await call.read()).SerializeToString(deterministic=True) for _ in range(frames)]
+
+
+@pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
+def test_streams_read_ahead_keep_each_sessions_replies_in_order_and_equal_to_its_solo_run(tiny_checkpoint, name):
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    seeds = [11, 22, 33]
+
+    async def scenario():
+        async with served(name, tiny_checkpoint, "--read-ahead", "2") as (address, servicer):
+            assert servicer.batcher.read_ahead == 2
+            load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
+            async with grpc.aio.insecure_channel(address) as channel:
+                ahead = await asyncio.gather(*(run_ahead(channel, load, FRAMES, seed) for seed in seeds))
+                alone = [await run_alone(channel, load, FRAMES, seed) for seed in seeds]
+            return ahead, alone
+
+    ahead, alone = asyncio.run(scenario())
+    for seed, mine, solo in zip(seeds, ahead, alone, strict=True):
+        assert len(set(solo)) == FRAMES
+        assert mine == solo, f"{name}: session seed {seed}: a reply read ahead differs from its solo run's"
+
+
 def test_max_batch_one_runs_every_step_alone(tiny_checkpoint):
     config = VoiceChatConfig.load(tiny_checkpoint)
 
@@ -159,7 +191,8 @@ def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
     assert "--max-batch 0: must be at least 1" in capsys.readouterr().err
     for flag, value, message in (("--batch-wait-ms", "-1", "must be at least 0 and under 1000"),
                                  ("--batch-wait-ms", "1000", "must be at least 0 and under 1000"),
-                                 ("--precompile-batches", "-2", "must be zero or more")):
+                                 ("--precompile-batches", "-2", "must be zero or more"),
+                                 ("--read-ahead", "-1", "must be 0..16"), ("--read-ahead", "17", "must be 0..16")):
         with pytest.raises(SystemExit):
             parse_args(parser, ["--model", str(tiny_checkpoint), flag, value])
         assert f"{flag} {float(value) if flag == '--batch-wait-ms' else value}: {message}" in capsys.readouterr().err

@@ -549,3 +549,23 @@ def test_pipelined_ahead_must_not_be_negative():
             await anext(pipelined(_requests([], []), lambda n: n, ahead=-1))
 
     asyncio.run(scenario())
+
+
+def test_pipelined_with_nothing_ahead_reads_each_request_after_the_last_answer_is_taken():
+    events = []
+
+    async def requests():
+        for n in range(3):
+            events.append(f"read {n}")
+            yield n
+
+    async def start(n):
+        return n
+
+    async def scenario():
+        async for answer in pipelined(requests(), start, ahead=0):
+            events.append(f"answer {answer}")
+            await asyncio.sleep(0.002)
+
+    asyncio.run(scenario())
+    assert events == ["read 0", "answer 0", "read 1", "answer 1", "read 2", "answer 2"]
