@@ -22,7 +22,8 @@
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
-# SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration), STEPS (the steps
+# SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration; EXTRA_SERVE_FLAGS
+# are added to them), STEPS (the steps
 # to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease
 # splits them over calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32
 # weights in the language model, perception and speech), MPS (1: the services of the rtf and live steps share
@@ -47,7 +48,7 @@ cuda=0  # the language model's split matmuls, in the live run and the engines st
 "$py" -c "import mlx.core as mx, sys; sys.exit(not mx.cuda.is_available())" 2>/dev/null && cuda=1
 [ $cuda = 1 ] && batched="$batched --service-flags llm=--split-matmuls"
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
-serve_flags=${SERVE_FLAGS:-$batched}
+serve_flags="${SERVE_FLAGS:-$batched} ${EXTRA_SERVE_FLAGS:-}"
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
 sweep="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000"
 sweep=${SWEEP:-"$sweep;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
@@ -141,6 +142,7 @@ scrape() {  # scrape NAME: each service's batch-size histogram totals and memory
   done > "$out/$1.metrics" 2>&1
   grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
 }
+echo "== $(date +%T) serve: --max-sessions $sessions $serve_flags $mps"
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 "$py" -m orchestrator.cli serve --model "$model" --port "$port" --no-realtime --max-sessions "$sessions" \
   $serve_flags $mps > "$out/serve.log" 2>&1 &

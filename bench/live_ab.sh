@@ -7,7 +7,11 @@
 #                                                   # working tree (remove it after: `ruff check .` would read it)
 #   bash bench/live_ab.sh old OUT_DIR [MODEL_DIR]
 #
-# ROUNDS (2) rounds of: this tree, then the older one, each with a fresh orchestrator and services. Each run's
+#   OLD_EXTRA='--service-flags all=--read-ahead=1' bash bench/live_ab.sh . OUT_DIR   # or one tree, two flag sets
+#
+# ROUNDS (2) rounds of: this tree, then the older one, each with a fresh orchestrator and services; NEW_EXTRA
+# and OLD_EXTRA are service flags added to each side's live configuration (the suite's EXTRA_SERVE_FLAGS), so
+# OLD_TREE may be this tree itself and the sides differ by their flags. Each run's
 # files go to OUT_DIR/new-N and OUT_DIR/old-N; at the end every run's client line (window, intervals) is printed
 # in order, and OUT_DIR is packed into OUT_DIR.tgz (a device call brings back only a few files). MODEL_DIR as the
 # suite's (generated when missing). The suite's knobs apply to both trees; here PACES defaults to burst and
@@ -27,7 +31,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     tree=$PWD
     [ $side = old ] && tree=$old
     echo "== $(date +%T) round $round: $side ($tree)"
-    (cd "$tree" && bash bench/gpu_suite.sh "$out/$side-$round" "$model") > "$out/$side-$round.log" 2>&1 \
+    extra=${NEW_EXTRA:-}
+    [ $side = old ] && extra=${OLD_EXTRA:-}
+    (cd "$tree" && EXTRA_SERVE_FLAGS=$extra bash bench/gpu_suite.sh "$out/$side-$round" "$model") \
+      > "$out/$side-$round.log" 2>&1 \
       || echo "== $side-$round failed (log: $out/$side-$round.log)"
   done
 done
