@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import base64
 import json
-import math
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ import threading
 
 import numpy as np
 
-from orchestrator.audio import resample
+from orchestrator.audio import filter_reach, ratio, resample
 
 INPUT_RATE = 16_000
 FRAME_SAMPLES = 1280  # one 80 ms append at 16 kHz
@@ -53,7 +52,8 @@ class StreamResampler:
     """orchestrator.audio.resample, block by block: the concatenated output equals resampling the whole signal.
 
     Each call resamples a window that starts on an input sample aligned to the output grid and keeps only the
-    outputs whose filter taps are all inside what has arrived; `flush` emits the rest (zeros past the end).
+    outputs whose filter taps are all inside what has arrived; `flush` emits the rest (the last sample held past
+    the end, as for the whole signal).
 
     >>> r = StreamResampler(48_000, 16_000)
     >>> sum(len(r.process(np.zeros(480, np.float32))) for _ in range(10)) + len(r.flush())
@@ -61,10 +61,9 @@ class StreamResampler:
     """
 
     def __init__(self, source_hz: int, target_hz: int):
-        g = math.gcd(source_hz, target_hz)
         self.source_hz, self.target_hz = source_hz, target_hz
-        self.up, self.down = target_hz // g, source_hz // g
-        self.half = 16 * max(self.up, self.down)  # the filter's reach in upsampled samples, as in resample()
+        self.up, self.down = ratio(source_hz, target_hz)
+        self.half = filter_reach(self.up, self.down)  # in upsampled samples
         self.buffer = np.zeros(0, np.float32)
         self.start = 0  # input index of buffer[0]; a multiple of `down`, so it falls on the output grid
         self.received = 0

@@ -1,12 +1,14 @@
 """Reading user audio and writing response audio.
 
-Any file soundfile reads (WAV, FLAC, OGG; any rate, any channel count) becomes 16 kHz mono float32;
+Any file soundfile reads (WAV, FLAC, OGG; any rate, any channel count) becomes 16 kHz mono float32, by the
+reference implementation's own arithmetic (16-bit samples, integer downmix, its resampling filter);
 responses are written as mono PCM16 to a temporary name and renamed when complete, so a failed turn never
 leaves a partial file or touches one the user already had.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
@@ -20,53 +22,116 @@ class AudioError(ValueError):
     """An input that is not usable audio, or an output path that cannot be written."""
 
 
+# The low-pass filter of every rate conversion: a Kaiser-windowed sinc reaching ZERO_CROSSINGS zero crossings of
+# the output band each side, passing ROLLOFF of it, Kaiser beta BETA (resampy's "kaiser_best" design, which the
+# reference implementation resamples its input files with).
+ZERO_CROSSINGS = 64
+ROLLOFF = 0.9475937167399596
+BETA = 14.769656459379492
+_BLOCK = 1 << 21  # window elements gathered at once (16 MiB of float64), whatever the length of the input
+
+
+def ratio(source_hz: int, target_hz: int) -> tuple[int, int]:
+    """(up, down): the rate conversion as a reduced fraction, target / source."""
+    g = math.gcd(source_hz, target_hz)
+    return target_hz // g, source_hz // g
+
+
+def filter_reach(up: int, down: int) -> int:
+    """How far the filter reaches each side of an output sample, in samples of the upsampled grid."""
+    return ZERO_CROSSINGS * max(up, down)
+
+
+@functools.lru_cache(maxsize=8)
+def _lowpass(up: int, down: int) -> np.ndarray:
+    """The filter's taps on the upsampled grid (2 reach + 1 of them), summing to `up`, read-only."""
+    reach = filter_reach(up, down)
+    cutoff = ROLLOFF / max(up, down)  # of the upsampled grid's Nyquist band
+    n = np.arange(2 * reach + 1) - reach
+    taps = cutoff * np.sinc(cutoff * n) * np.kaiser(2 * reach + 1, BETA)
+    taps *= up / taps.sum()
+    taps.flags.writeable = False
+    return taps
+
+
 def resample(samples: np.ndarray, source_hz: int, target_hz: int) -> np.ndarray:
-    """Band-limited rational resampling with a Kaiser-windowed sinc (polyphase, zero-phase).
+    """Band-limited rational resampling: `samples` zero-stuffed up by `up`, low-pass filtered (`_lowpass`) and
+    kept every `down`-th sample, in float64, rounded to float32 once. Beyond its ends the signal holds its first
+    and last sample. ceil(n up / down) samples come out, the first at the first input's instant.
 
     >>> resample(np.ones(441, np.float32), 44_100, 16_000).shape
     (160,)
     """
     if source_hz == target_hz:
         return samples.astype(np.float32, copy=False)
-    g = math.gcd(source_hz, target_hz)
-    up, down = target_hz // g, source_hz // g
-    cutoff = 0.97 / max(up, down)  # fraction of the upsampled Nyquist band kept
-    half = 16 * max(up, down)  # taps on each side, in upsampled samples
-    n = np.arange(-half, half + 1)
-    taps = (up * cutoff * np.sinc(cutoff * n) * np.kaiser(2 * half + 1, 8.6)).astype(np.float64)
-    out_len = math.ceil(len(samples) * up / down)
-    out = np.empty(out_len, dtype=np.float64)
-    x = samples.astype(np.float64)
-    for phase_start in range(0, out_len, 4096):  # bounded memory for long inputs
-        idx = np.arange(phase_start, min(out_len, phase_start + 4096))
-        pos = idx * down  # output sample position on the upsampled grid
-        first = -((half - pos) // up)  # first input index whose upsampled position is within reach
-        k = np.arange(0, (2 * half) // up + 2)
-        src = first[:, None] + k[None, :]
-        offset = src * up - pos[:, None]  # distance in upsampled samples, in [-half, half + up)
-        valid = (src >= 0) & (src < len(x)) & (np.abs(offset) <= half)
-        weights = np.where(valid, taps[np.clip(offset + half, 0, 2 * half)], 0.0)
-        out[idx] = (weights * x[np.clip(src, 0, len(x) - 1)]).sum(axis=1)
+    up, down = ratio(source_hz, target_hz)
+    taps = _lowpass(up, down)
+    reach = filter_reach(up, down)
+    x = np.asarray(samples, dtype=np.float64).reshape(-1)
+    n_out = -(-len(x) * up // down)
+    if len(x) == 0:
+        return np.zeros(0, np.float32)
+    # Output i sits at i * down on the upsampled grid; the inputs k within reach of it weigh taps[reach + i down -
+    # k up]. Outputs i and i + up share their weights, their inputs `down` apart: one phase at a time, each a
+    # matrix of input windows times the phase's weights.
+    margin = reach // up + 1
+    padded = np.concatenate([np.full(margin, x[0]), x, np.full(2 * margin + down + 2, x[-1])])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * margin + 1)
+    out = np.empty(n_out, dtype=np.float64)
+    for phase in range(min(up, n_out)):
+        centre = phase * down
+        first = -((reach - centre) // up)  # ceil((centre - reach) / up): the first input within reach
+        last = (centre + reach) // up
+        weights = np.zeros(2 * margin + 1)
+        weights[: last - first + 1] = taps[reach + centre - np.arange(first, last + 1) * up]
+        starts = first + margin + np.arange(0, n_out - phase, up) // up * down
+        rows = max(1, _BLOCK // len(weights))
+        for at in range(0, len(starts), rows):
+            out[phase + at * up : phase + (at + rows) * up : up] = windows[starts[at : at + rows]] @ weights
     return out.astype(np.float32)
 
 
+# Integer PCM subtypes, read as 32-bit integers (libsndfile left-justifies every width to 32 bits).
+_INTEGER_PCM = {"PCM_S8", "PCM_U8", "PCM_16", "PCM_24", "PCM_32"}
+_FLOAT_PCM = {"FLOAT": np.float32, "DOUBLE": np.float64}
+
+
+def _int16_samples(path: Path, subtype: str) -> np.ndarray:
+    """The file's samples as 16-bit integers (int64, frames x channels), the way the reference's decoder
+    (miniaudio) converts them: wider integers keep their top 16 bits, 8-bit ones move up 8 bits, and floats
+    x in [-1, 1] (clipped) become floor((x + 1) 32767.5) - 32768, computed in the file's float width. Other
+    encodings (ADPCM, A-law, MP3, Vorbis...) are decoded to 16 bits by libsndfile."""
+    if subtype in _INTEGER_PCM:
+        return sf.read(str(path), dtype="int32", always_2d=True)[0].astype(np.int64) >> 16
+    if subtype in _FLOAT_PCM:
+        width = _FLOAT_PCM[subtype]
+        data = sf.read(str(path), dtype="float64", always_2d=True)[0].astype(width)
+        if not np.all(np.isfinite(data)):
+            raise AudioError(f"{path}: the audio contains non-finite samples")
+        scaled = (np.clip(data, width(-1), width(1)) + width(1)) * width(32767.5)
+        return np.floor(scaled).astype(np.int64) - 32768
+    return sf.read(str(path), dtype="int16", always_2d=True)[0].astype(np.int64)
+
+
 def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
-    """The file as mono float32 at `sample_rate` (channels averaged, then resampled)."""
+    """The file as mono float32 at `sample_rate`, read as the reference implementation reads an input file, so
+    a turn on any file sees the samples the reference's would: 16-bit samples (`_int16_samples`), the channels
+    averaged in integers and rounded down, divided by 32768, then resampled (`resample`). For PCM and float
+    files of one, two, four or eight channels this equals the reference's input bit for bit."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
     if path.is_dir():
         raise AudioError(f"{path}: is a folder, not an audio file")
     try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+        info = sf.info(str(path))
+        data = _int16_samples(path, info.subtype)
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioError(f"{path}: not a readable audio file ({exc})") from None
     if data.shape[0] == 0:
         raise AudioError(f"{path}: the file holds no audio samples")
-    mono = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
-    if not np.all(np.isfinite(mono)):
-        raise AudioError(f"{path}: the audio contains non-finite samples")
-    return resample(np.ascontiguousarray(mono), int(rate), sample_rate)
+    mono = (data.sum(axis=1) // data.shape[1]).astype(np.float32) / np.float32(32768)
+    return resample(mono, int(info.samplerate), sample_rate)
 
 
 def to_pcm16(samples: np.ndarray, scale: float = 32767.0) -> np.ndarray:

@@ -31,6 +31,7 @@ from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram  # noqa:
 from mlx_audio.stt.utils import load_audio  # noqa: E402
 from mlx_vlm.utils import load  # noqa: E402
 
+from tests.parity.audio_inputs import cases, wav_bytes  # noqa: E402
 from tools.dequantize_checkpoint import dequantize_checkpoint  # noqa: E402
 from tools.make_checkpoint import write_checkpoint  # noqa: E402
 
@@ -78,9 +79,9 @@ class Delegate:
         return out
 
 
-def offline(model, tok, seed: int, prompt: str | None) -> tuple[dict, dict]:
+def offline(model, tok, seed: int, prompt: str | None, wav: Path = WAV) -> tuple[dict, dict]:
     sess = model.create_session(tok)
-    plain = sess.generate(str(WAV), system_prompt=prompt, extra_decoding_seconds=EXTRA_SECONDS, seed=seed,
+    plain = sess.generate(str(wav), system_prompt=prompt, extra_decoding_seconds=EXTRA_SECONDS, seed=seed,
                           use_language_cache=True)
 
     captured: dict = {"logits_text": [], "logits_function": [], "codes": [], "transcript_ids": None}
@@ -116,7 +117,7 @@ def offline(model, tok, seed: int, prompt: str | None) -> tuple[dict, dict]:
     ref_session.rnnt_tokenizer = RecordingTokenizer()
     try:
         result = model.create_session(tok).generate(
-            str(WAV), system_prompt=prompt, extra_decoding_seconds=EXTRA_SECONDS, seed=seed, use_language_cache=True
+            str(wav), system_prompt=prompt, extra_decoding_seconds=EXTRA_SECONDS, seed=seed, use_language_cache=True
         )
     finally:  # assigning a module back drops the stand-in from the instance attributes
         model.stt_model = stt
@@ -146,7 +147,7 @@ def offline(model, tok, seed: int, prompt: str | None) -> tuple[dict, dict]:
         mx.zeros((1, 1, (model.tts_model.audio_prompt_latents.Aria.shape[1] + 1) * 1764), dtype=mx.float32)
     ).transpose(0, 2, 1)[0]
     prompt_codes = sess._tts_prompt()[0][0]
-    waveform = load_audio(str(WAV), sr=model.config.input_sample_rate)
+    waveform = load_audio(str(wav), sr=model.config.input_sample_rate)
     waveform = mx.pad(waveform, (0, round(EXTRA_SECONDS * model.config.input_sample_rate)))
     mel = log_mel_spectrogram(waveform, model.config.audio_config.preprocessor)
     if not np.array_equal(np.array(mel), np.array(captured["mel"])):
@@ -265,6 +266,21 @@ def codec_roundtrip(model, frames: int = 6) -> tuple[dict, dict]:
     return arrays, {"frames": frames, "seed": 1234}
 
 
+def audio_reads(folder: Path) -> tuple[dict, dict]:
+    """What the reference's input reader (`load_audio` at 16 kHz) makes of a file of each encoding, rate and
+    channel count in `audio_inputs`; meta holds each file's sha256, so the test knows it rebuilt the same bytes."""
+    arrays, meta = {}, {}
+    for name, (rate, encoding, samples) in cases().items():
+        if name.startswith("question"):
+            continue
+        path = folder / f"{name}.wav"
+        path.write_bytes(wav_bytes(rate, encoding, samples))
+        arrays[name] = np.array(load_audio(str(path), sr=16_000))
+        meta[name] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rate": rate, "encoding": encoding,
+                      "channels": samples.shape[1]}
+    return arrays, meta
+
+
 def layout(model) -> dict:
     """Key -> [shape, dtype, sha256 of the bytes] of every parameter the reference holds after loading."""
     from mlx.utils import tree_flatten
@@ -299,6 +315,12 @@ def main() -> None:
                 save("online", *online(model, tok, 0, None))
                 save("online_prompt", *online(model, tok, 0, PROMPT))
                 save("codec_roundtrip", *codec_roundtrip(model))
+                question = Path(tmp) / "question_44k_stereo.wav"
+                question.write_bytes(wav_bytes(*cases()["question_44k_stereo"]))
+                arrays, meta = slim(*offline(model, tok, 0, None, question))
+                meta["sha256"] = hashlib.sha256(question.read_bytes()).hexdigest()
+                save("offline_44k_stereo", arrays, meta)
+                save("audio_read", *audio_reads(Path(tmp)))
             (OUT / f"layout{suffix or '_dense'}.json").write_text(json.dumps(layout(model), indent=0) + "\n")
             if suffix == "_4bit":  # the language service's --weights-dtype bfloat16 on this checkpoint
                 dense = dequantize_checkpoint(folder, Path(tmp) / "tiny_4bit_bf16")

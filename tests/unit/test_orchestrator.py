@@ -117,6 +117,33 @@ def test_16k_input_is_read_exactly(tmp_path):
     assert np.array_equal(read_audio(tmp_path / "a.wav"), samples.astype(np.float32) / 32768)
 
 
+def test_samples_become_16_bit_integers_as_the_reference_decoder_makes_them(tmp_path):
+    # floats: floor((clip(x) + 1) * 32767.5) - 32768, so 0.0 reads as -1 and full scale as 32767 / -32768
+    floats = np.array([0.0, 1.0, -1.0, 2.0, -3.0, 0.5, -0.5], np.float32)
+    sf.write(tmp_path / "f.wav", floats, 16_000, subtype="FLOAT")
+    expected = np.array([-1, 32767, -32768, 32767, -32768, 16383, -16385])
+    assert np.array_equal(read_audio(tmp_path / "f.wav") * 32768, expected)
+    # 24-bit integers keep their top 16 bits (rounded down); two channels average in integers, rounded down
+    ints = np.array([[0x7FFFFF, 255], [256, -1], [-256, -257], [-0x800000, 3 * 256]], np.int32)
+    sf.write(tmp_path / "s24.wav", ints * 256, 16_000, subtype="PCM_24")
+    top = np.array([[32767, 0], [1, -1], [-1, -2], [-32768, 3]])
+    assert np.array_equal(read_audio(tmp_path / "s24.wav") * 32768, top.sum(axis=1) // 2)
+    assert np.array_equal(read_audio(tmp_path / "s24.wav") * 32768, [16383, 0, -2, -16383])
+
+
+def test_non_finite_float_samples_are_refused(tmp_path):
+    sf.write(tmp_path / "nan.wav", np.array([0.0, np.nan, 0.1], np.float32), 16_000, subtype="FLOAT")
+    with pytest.raises(AudioError, match="non-finite"):
+        read_audio(tmp_path / "nan.wav")
+
+
+def test_the_resampler_holds_the_end_samples_beyond_the_ends():
+    # a constant comes out as the constant (the taps sum to one per phase, the ends held, not zero-padded)
+    for source, target in ((44_100, 16_000), (8_000, 16_000), (16_000, 48_000)):
+        out = resample(np.full(500, 0.25, np.float32), source, target)
+        assert np.abs(out - 0.25).max() < 1e-6, (source, target)
+
+
 def test_resample_identity_and_length():
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     assert resample(x, 16_000, 16_000) is x or np.array_equal(resample(x, 16_000, 16_000), x)
