@@ -1,0 +1,165 @@
+"""Check that this stack answers an input file exactly as the reference implementation does, on any checkpoint.
+
+    python -m tools.check_parity --model DIR INPUT [--mode offline|stream|both] [--seed N] [-p TEXT]
+        [--extra-decoding-seconds S] [--reference-python .ref/bin/python]
+
+Runs the turn with our orchestrator (`offline` or `stream`, engines in-process) and with the reference
+(`tools/reference_turn.py` under the reference's own Python: `python3 -m venv .ref && .ref/bin/pip install
+mlx-vlm==0.7.10 mlx-audio==0.6.2`), one after the other, and prints a table per mode: the text and function ids
+and the speech codes must be equal, the user transcript, the assistant text and the function text too, and the
+speech samples within 1e-4. Exit status 0 when every mode is, 1 when one is not (its first differing frame is
+named), 2 when a run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_REFERENCE = ROOT / ".ref" / "bin" / "python"
+AUDIO_TOLERANCE = 1e-4  # the float tolerance the parity tests hold the decoded speech to
+IDS = (("text ids", "text_tokens"), ("function ids", "function_tokens"), ("speech codes", "audio_codes"))
+TEXTS = (("user transcript", "transcript"), ("assistant text", "text"), ("function text", "function_text"))
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Row:
+    what: str
+    ours: str
+    reference: str
+    verdict: str
+    equal: bool
+
+
+def _shape(a: np.ndarray) -> str:
+    return " x ".join(str(n) for n in a.shape)
+
+
+def _quote(text: str, width: int = 28) -> str:
+    text = json.dumps(text, ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 4] + '..."'
+
+
+def compare(ours: dict, reference: dict) -> list[Row]:
+    """Rows of the comparison of two turns: arrays under the IDS keys and "audio", strings under TEXTS."""
+    rows = []
+    for what, key in IDS:
+        a, b = np.asarray(ours[key]), np.asarray(reference[key])
+        if a.shape == b.shape and np.array_equal(a, b):
+            verdict, equal = "equal", True
+        elif a.shape[1:] != b.shape[1:]:
+            verdict, equal = "different shapes", False
+        else:
+            common = min(len(a), len(b))
+            differ = np.nonzero((a[:common] != b[:common]).reshape(common, -1).any(axis=1))[0]
+            first = int(differ[0]) if len(differ) else common
+            verdict, equal = f"differ from frame {first}", False
+        rows.append(Row(what, _shape(a), _shape(b), verdict, equal))
+    for what, key in TEXTS:
+        equal = ours[key] == reference[key]
+        rows.append(Row(what, _quote(ours[key]), _quote(reference[key]), "equal" if equal else "differ", equal))
+    a, b = np.asarray(ours["audio"], np.float32).reshape(-1), np.asarray(reference["audio"], np.float32).reshape(-1)
+    if a.shape != b.shape:
+        rows.append(Row("speech samples", str(len(a)), str(len(b)), "different lengths", False))
+    else:
+        diff = float(np.abs(a - b).max()) if len(a) else 0.0
+        rows.append(Row("speech samples", str(len(a)), str(len(b)), f"max |diff| {diff:.2e}",
+                        diff <= AUDIO_TOLERANCE))
+    return rows
+
+
+def table(title: str, rows: list[Row]) -> str:
+    head = ("", "ours", "reference", "")
+    cells = [head] + [(r.what, r.ours, r.reference, r.verdict) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    lines = [title] + [("  " + "  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3]).rstrip()
+                       for c in cells]
+    return "\n".join(lines)
+
+
+def _load(path: Path) -> dict:
+    data = np.load(path)
+    turn = {key: data[key] for key in ("text_tokens", "function_tokens", "audio_codes", "audio")}
+    meta = json.loads(str(data["meta"]))
+    turn.update({key: meta[key] for _, key in TEXTS})
+    return turn
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["(no output)"]
+        raise RunFailed(f"{what} failed (exit {done.returncode}): {last[0]}")
+
+
+def ours(mode: str, args: argparse.Namespace, folder: Path) -> dict:
+    dump = folder / f"ours-{mode}.npz"
+    command = [sys.executable, "-m", "orchestrator.cli", mode, str(args.input), "--model", str(args.model),
+               "--in-process", "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds),
+               "--output-audio", str(folder / f"ours-{mode}.wav"), "--dump", str(dump), "--force"]
+    if args.system_prompt is not None:
+        command += ["-p", args.system_prompt]
+    _run(command, f"our {mode} turn")
+    return _load(dump)
+
+
+def reference(mode: str, args: argparse.Namespace, folder: Path) -> dict:
+    out = folder / f"reference-{mode}.npz"
+    command = [str(args.reference_python), str(ROOT / "tools" / "reference_turn.py"), mode, "--model",
+               str(args.model), "--input", str(args.input), "--out", str(out), "--seed", str(args.seed),
+               "--extra-decoding-seconds", str(args.extra_decoding_seconds)]
+    if args.system_prompt is not None:
+        command += ["--system-prompt", args.system_prompt]
+    _run(command, f"the reference's {mode} turn")
+    return _load(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.check_parity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
+    parser.add_argument("--model", type=Path, required=True, help="converted checkpoint folder")
+    parser.add_argument("--mode", choices=["offline", "stream", "both"], default="offline")
+    parser.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
+    parser.add_argument("-p", "--system-prompt", default=None,
+                        help="system prompt (default: the checkpoint's, as both implementations default)")
+    parser.add_argument("--extra-decoding-seconds", type=float, default=3.0)
+    parser.add_argument("--reference-python", type=Path, default=DEFAULT_REFERENCE,
+                        help=f"the reference's Python (default {DEFAULT_REFERENCE.relative_to(ROOT)})")
+    args = parser.parse_args(argv)
+    if not args.reference_python.exists():
+        parser.error(f"--reference-python {args.reference_python}: no such file; install the reference with "
+                     "python3 -m venv .ref && .ref/bin/pip install mlx-vlm==0.7.10 mlx-audio==0.6.2")
+    for path, what in ((args.input, "input"), (args.model, "--model")):
+        if not path.exists():
+            parser.error(f"{what} {path}: no such file or folder")
+    modes = ["offline", "stream"] if args.mode == "both" else [args.mode]
+    identical = True
+    with tempfile.TemporaryDirectory(prefix="check-parity-") as tmp:
+        for mode in modes:
+            try:
+                rows = compare(ours(mode, args, Path(tmp)), reference(mode, args, Path(tmp)))
+            except RunFailed as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            frames = rows[0].ours.split(" x ")[0]
+            print(table(f"{mode} turn on {args.input} (seed {args.seed}, {frames} frames):", rows))
+            same = all(r.equal for r in rows)
+            identical &= same
+            print(f"  {'identical to the reference' if same else 'NOT identical to the reference'}\n")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
