@@ -13,7 +13,8 @@
 #              CUDA backend groups a frame's kernels into graphs (MLX_MAX_OPS_PER_BUFFER, default 20 a graph;
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
-#              as stored, in bf16, in bf16 with --float32-weights, and with --split-matmuls too)
+#              as stored, in bf16, in bf16 with --float32-weights, and with --split-matmuls too; perception
+#              and speech as stored, with --float32-weights, and with --split-matmuls too)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
 #              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
 #              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
@@ -103,6 +104,12 @@ if wants engines; then
   for name in perception tts codec; do
     step "engine-$name" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" --frames 25 \
       --warmup 5 --no-grpc
+  done
+  for name in perception tts; do
+    step "engine-$name-float32" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" \
+      --frames 25 --warmup 5 --no-grpc --float32-weights
+    [ $cuda = 1 ] && step "engine-$name-split" "$py" -m bench.service "$name" --model "$model" \
+      --sessions "1,$sessions" --frames 25 --warmup 5 --no-grpc --float32-weights --split-matmuls
   done
   step engine-llm "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 \
     --no-grpc

@@ -132,7 +132,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     if name == "perception":
         from services.perception.engine import PerceptionEngine
 
-        engine = PerceptionEngine.load(model, float32_weights=float32_weights)
+        engine = PerceptionEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
         open_one = engine.open_stream
         batch = lambda live, i: engine.push_batch([  # noqa: E731
             (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
@@ -148,7 +148,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     elif name == "tts":
         from services.tts.engine import TTSEngine
 
-        engine = TTSEngine.load(model, float32_weights=float32_weights)
+        engine = TTSEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
         cb = config.tts_config.codebook_size
         prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
         open_one = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
@@ -227,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="perception, llm, tts: keep in float32 what the frames' matmuls convert (the services' "
                         "--float32-weights), for the started service and in-process")
     parser.add_argument("--split-matmuls", action="store_true",
-                        help="llm only, on a CUDA GPU: the service's --split-matmuls, started and in-process")
+                        help="perception, llm, tts, on a CUDA GPU: the service's --split-matmuls, started and "
+                        "in-process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.float32_weights and args.service == "codec":
         parser.error("--float32-weights: the codec service has no such option")
-    if args.split_matmuls and args.service != "llm":
-        parser.error("--split-matmuls: only the llm service has it")
+    if args.split_matmuls and args.service == "codec":
+        parser.error("--split-matmuls: the codec service has no such option")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
     config = VoiceChatConfig.load(args.model)

@@ -135,6 +135,17 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_split_matmuls_flag(parser: argparse.ArgumentParser, needs: str = "") -> None:
+    """`--split-matmuls`, for the services whose float32 frames meet dense bf16 weights (`split_matmul`)."""
+    parser.add_argument(
+        "--split-matmuls", action="store_true",
+        help=f"CUDA GPU only, with dense bf16 projections{needs}: each frame's float32 activations meet the bf16 "
+             "weights on the tensor cores, split into three bf16 parts whose exact products are summed in "
+             "float32: float32's accuracy, the weights read once as bf16 (no float32 copies: with "
+             "--float32-weights only the other arrays are widened)",
+    )
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate the common flags (exits with a usage error naming the bad one)."""
     args = parser.parse_args(argv)

@@ -215,6 +215,16 @@ def widen(module: object, dtype: mx.Dtype, kinds: tuple[type, ...] = (Linear,)) 
     return converted
 
 
+def route_split_matmuls(modules: object, model_dir: object, hint: str = "") -> int:
+    """`--split-matmuls` at load: `split_matmuls(modules)`, failing when no projection qualifies (a checkpoint
+    whose projections are all quantized); `hint` ends that message. Returns how many layers were routed."""
+    count = split_matmuls(modules)
+    if not count:
+        raise ValueError(f"{model_dir}: no dense bf16 projection for split matmuls (quantized ones stay "
+                         f"quantized{hint})")
+    return count
+
+
 def split_matmuls(module: object) -> int:
     """Have every dense Linear under `module` whose weight `split_matmul` supports (bf16, both sides multiples
     of 16) take float32 inputs through it; returns how many do. Call it before `widen`, which then leaves those

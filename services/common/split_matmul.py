@@ -107,6 +107,13 @@ def available() -> bool:
     return mx.cuda.is_available()
 
 
+def require() -> None:
+    """Fail, naming the flag, where the kernels cannot run (checked before a service loads its weights)."""
+    if not available():
+        raise ValueError("split matmuls run on a CUDA GPU's tensor cores; MLX here has no CUDA device "
+                         "(leave --split-matmuls off)")
+
+
 def supports(weight: mx.array) -> bool:
     """A dense bf16 (N, K) weight with N and K multiples of 16."""
     return (weight.ndim == 2 and weight.dtype == mx.bfloat16

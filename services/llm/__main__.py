@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.batching import BatchOptions
-from services.common.cli import ServiceSpec, exit_process, run_service
+from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
 from services.llm.engine import MAX_PROMPT_TOKENS
 from services.llm.service import build_spec
 
@@ -26,13 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--weights-dtype bfloat16: twice their memory) or the quantized layers' scales and biases (stored: "
              "about 1/16 byte more a parameter); identical outputs, fewer conversions per frame",
     )
-    parser.add_argument(
-        "--split-matmuls", action="store_true",
-        help="CUDA GPU only, with dense bf16 projections (--weights-dtype bfloat16): each frame's float32 "
-             "activations meet the bf16 weights on the tensor cores, split into three bf16 parts whose exact "
-             "products are summed in float32: float32's accuracy, the weights read once as bf16 (no float32 "
-             "copies: with --float32-weights only the other arrays are widened)",
-    )
+    add_split_matmuls_flag(parser, " (--weights-dtype bfloat16)")
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:

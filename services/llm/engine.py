@@ -247,9 +247,8 @@ class LanguageEngine:
         instead of a cast or a float32 copy; with float32_weights the other arrays are still kept in float32."""
         if weights_dtype not in (None, "stored", "bfloat16"):
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
-        if split_matmuls and not split_matmul.available():
-            raise ValueError("split matmuls run on a CUDA GPU's tensor cores; MLX here has no CUDA device "
-                             "(leave --split-matmuls off)")
+        if split_matmuls:
+            split_matmul.require()
         checkpoint = Checkpoint(model_dir)
         try:
             weights = checkpoint.load(WEIGHT_PREFIXES)
@@ -258,9 +257,8 @@ class LanguageEngine:
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
             modules = [model.backbone, model.lm_head, model.function_head]
-            if split_matmuls and not layers.split_matmuls(modules):
-                raise ValueError(f"{model_dir}: no dense bf16 projection for split matmuls (quantized ones stay "
-                                 "quantized unless --weights-dtype bfloat16)")
+            if split_matmuls:
+                layers.route_split_matmuls(modules, model_dir, " unless --weights-dtype bfloat16")
             if float32_weights:
                 mx.eval(widen(modules, mx.float32, (Linear, Block, NemotronH, Mamba2Mixer)))
                 del weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.batching import BatchOptions
-from services.common.cli import ServiceSpec, exit_process, run_service
+from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
 
@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep float32 copies of the weights whose matmuls run in float32 (faster frames, identical outputs, "
              "twice those weights' memory)",
     )
+    add_split_matmuls_flag(parser)
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:
@@ -23,7 +24,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     servicer = PerceptionServicer(engine_thread, batching=BatchOptions.from_args(args))
 
     async def load() -> None:
-        await servicer.load(args.model, args.float32_weights)
+        await servicer.load(args.model, args.float32_weights, args.split_matmuls)
 
     return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close,
                        metrics=servicer.metrics)

@@ -37,9 +37,10 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
                                                 key=session_of)
 
-    async def load(self, model_dir: str | Path, float32_weights: bool = False) -> None:
+    async def load(self, model_dir: str | Path, float32_weights: bool = False, split_matmuls: bool = False) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
-        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, float32_weights)
+        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, float32_weights,
+                                                    split_matmuls)
         await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 

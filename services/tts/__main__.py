@@ -6,7 +6,7 @@ import argparse
 
 from protos.voicechat.v1 import speech_pb2_grpc
 from services.common.batching import BatchOptions
-from services.common.cli import ServiceSpec, exit_process, run_service
+from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS
 from services.tts.service import SERVICE_NAME, SpeechServicer
@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep float32 copies of the weights whose matmuls run in float32 (faster frames, identical outputs, "
              "twice those weights' memory)",
     )
+    add_split_matmuls_flag(parser)
     parser.add_argument(
         "--max-prefix-steps", type=int, default=DEFAULT_MAX_PREFIX_STEPS,
         help="most system-prompt prefix steps a session may ask for at open (one per prompt position after the "
@@ -33,7 +34,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     return ServiceSpec(
         registrations=[(speech_pb2_grpc.add_SpeechServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(args.model, args.float32_weights, args.max_prefix_steps),
+        load=lambda: servicer.load(args.model, args.float32_weights, args.max_prefix_steps, args.split_matmuls),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )

@@ -39,8 +39,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                                                 key=session_of)
 
     async def load(self, model_dir: str | Path, float32_weights: bool = False,
-                   max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
-        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights, max_prefix_steps)
+                   max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS, split_matmuls: bool = False) -> None:
+        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights, max_prefix_steps,
+                                                   split_matmuls)
         await self.batcher.precompile(self.engine.precompile)
         self.metrics.frame_budget_s = self.engine.config.frame_duration
 

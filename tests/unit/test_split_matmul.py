@@ -12,6 +12,8 @@ from services.common import layers, split_matmul
 from services.common.config import QuantSpec
 from services.common.layers import Linear, widen
 from services.llm.engine import LanguageEngine
+from services.perception.engine import PerceptionEngine
+from services.tts.engine import TTSEngine
 
 RNG = np.random.default_rng(0)
 _on_cuda = pytest.mark.skipif(not split_matmul.available(), reason="the split kernels run on a CUDA GPU only")
@@ -82,6 +84,97 @@ def test_split_matmuls_need_dense_bf16_projections(tiny4_checkpoint, monkeypatch
         LanguageEngine.load(tiny4_checkpoint, split_matmuls=True)
 
 
+@pytest.mark.parametrize("engine", [PerceptionEngine, TTSEngine])
+def test_without_a_cuda_device_perception_and_speech_refuse_split_matmuls(engine, tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(split_matmul, "available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA"):
+        engine.load(tiny_checkpoint, split_matmuls=True)
+
+
+def test_a_mixed_bit_checkpoint_routes_only_its_dense_projections(tinymix_checkpoint, monkeypatch):
+    monkeypatch.setattr(split_matmul, "available", lambda: True)  # nothing runs: routing is decided at load
+    engine = PerceptionEngine.load(tinymix_checkpoint, split_matmuls=True)
+    modules = [engine.encoder, engine.proj, engine.rnnt.joint]
+    everything = _linears(modules)
+    dense = [m for m in everything if m.spec is None and split_matmul.supports(m.weight)]
+    assert 0 < len(dense) < len(everything)  # the map keeps a few perception layers dense
+    assert [m for m in everything if m.split] == dense
+    with pytest.raises(ValueError, match="no dense bf16 projection"):  # every speech projection is quantized
+        TTSEngine.load(tinymix_checkpoint, split_matmuls=True)
+
+
+def _float32_product(calls):
+    def kernel(x, w):  # the product the float32-weights path computes, standing in for the CUDA kernel
+        calls.append(w.shape)
+        return x @ w.astype(mx.float32).T
+    return kernel
+
+
+def _linears(modules) -> list[Linear]:
+    found = []
+    for module in modules:
+        if isinstance(module, Linear):
+            found.append(module)
+        found += _linears(layers._children(module))
+    return found
+
+
+def _split_linears(modules) -> list[Linear]:
+    return [m for m in _linears(modules) if m.split]
+
+
+def _perception_frames(engine, frames):
+    streams = [engine.open_stream() for _ in range(2)]
+    out = []
+    for frame in frames:
+        results = engine.push_batch([(s, frame[i]) for i, s in enumerate(streams)])
+        out.append([(r.token_ids, np.array(r.audio_embedding)) for r in results])
+    return out
+
+
+def test_perception_routes_its_float32_projections_through_the_kernel(tiny_checkpoint, monkeypatch):
+    frames = [(0.1 * RNG.standard_normal((2, 1280))).astype(np.float32) for _ in range(20)]
+    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    calls = []
+    monkeypatch.setattr(split_matmul, "available", lambda: True)
+    monkeypatch.setattr(split_matmul, "split_matmul", _float32_product(calls))
+    engine = PerceptionEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True)
+    routed = _split_linears([engine.encoder, engine.proj, engine.rnnt.joint])
+    assert routed and all(layer.weight.dtype == mx.bfloat16 for layer in routed)
+    assert engine.encoder.layers[0].norm_ff1.weight.dtype == mx.float32  # the rest still widened
+    split = _perception_frames(engine, frames)
+    # traced into the compiled steps (so called once a trace, not once a frame)
+    assert engine.proj.weight.shape in calls and engine.encoder.layers[0].ff1.linear1.weight.shape in calls
+    for a, b in zip(plain, split, strict=True):
+        assert [ids for ids, _ in a] == [ids for ids, _ in b]
+        for (_, x), (_, y) in zip(a, b, strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+
+
+def _speech_codes(engine, frames):
+    prompt = np.random.default_rng(0).integers(0, 256, (engine.prompt_frames, engine.num_quantizers))
+    sessions = [engine.open_session(seed, prompt.astype(np.int32)) for seed in (0, 1)]
+    return [[np.array(raw) for raw, _ in engine.step_batch([(s, ids[i]) for i, s in enumerate(sessions)])]
+            for ids in frames]
+
+
+def test_speech_routes_its_float32_projections_through_the_kernel(tiny_checkpoint, monkeypatch):
+    frames = [RNG.integers(16, 1000, 2).tolist() for _ in range(12)]
+    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    calls = []
+    monkeypatch.setattr(split_matmul, "available", lambda: True)
+    monkeypatch.setattr(split_matmul, "split_matmul", _float32_product(calls))
+    engine = TTSEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True)
+    model = engine.model
+    routed = _split_linears([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head])
+    assert routed and all(layer.weight.dtype == mx.bfloat16 for layer in routed)
+    split = _speech_codes(engine, frames)
+    assert calls
+    for a, b in zip(plain, split, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(y, x)
+
+
 def test_the_kernel_refuses_inputs_it_was_not_built_for():
     with pytest.raises(ValueError, match="multiples of 16"):
         split_matmul.split_matmul(_array(2, 32), _array(40, 32, dtype=mx.bfloat16))
@@ -132,3 +225,25 @@ def test_the_language_engine_with_split_matmuls_gives_the_float32_weights_ids_an
         assert [r[:2] for r in plain] == [r[:2] for r in split]
         for a, b in zip(plain, split, strict=True):
             np.testing.assert_allclose(b[2], a[2], atol=1e-4, rtol=0)
+
+
+@cuda
+def test_perception_with_split_matmuls_gives_the_float32_weights_tokens_and_near_embeddings(tiny_checkpoint):
+    frames = [(0.1 * RNG.standard_normal((2, 1280))).astype(np.float32) for _ in range(20)]
+    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    split = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True),
+                               frames)
+    for a, b in zip(plain, split, strict=True):
+        assert [ids for ids, _ in a] == [ids for ids, _ in b]
+        for (_, x), (_, y) in zip(a, b, strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-4, rtol=0)
+
+
+@cuda
+def test_speech_with_split_matmuls_gives_the_float32_weights_codes(tiny_checkpoint):
+    frames = [RNG.integers(16, 1000, 2).tolist() for _ in range(12)]
+    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    split = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True), frames)
+    for a, b in zip(plain, split, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(y, x)
