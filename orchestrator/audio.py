@@ -100,7 +100,8 @@ def _int16_samples(path: Path, subtype: str) -> np.ndarray:
     """The file's samples as 16-bit integers (int64, frames x channels), the way the reference's decoder
     (miniaudio) converts them: wider integers keep their top 16 bits, 8-bit ones move up 8 bits, and floats
     x in [-1, 1] (clipped) become floor((x + 1) 32767.5) - 32768, computed in the file's float width. Other
-    encodings (ADPCM, A-law, MP3, Vorbis...) are decoded to 16 bits by libsndfile."""
+    encodings (ADPCM, A-law, MP3, Vorbis...) are decoded to 16 bits by libsndfile, whose decoders may differ
+    from the reference's by a step (an MP3 of the bundled question: at most one 16-bit step)."""
     if subtype in _INTEGER_PCM:
         return sf.read(str(path), dtype="int32", always_2d=True)[0].astype(np.int64) >> 16
     if subtype in _FLOAT_PCM:

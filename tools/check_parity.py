@@ -1,9 +1,13 @@
 """Check that this stack answers an input file exactly as the reference implementation does, on any checkpoint.
 
     python -m tools.check_parity --model DIR INPUT [--mode offline|stream|both] [--seed N] [-p TEXT]
-        [--extra-decoding-seconds S] [--reference-python .ref/bin/python]
+        [--extra-decoding-seconds S] [--service-flags NAME=FLAGS ...] [--reference-model DIR]
+        [--reference-python .ref/bin/python]
 
-Runs the turn with our orchestrator (`offline` or `stream`, engines in-process) and with the reference
+Runs the turn with our orchestrator (`offline` or `stream`; engines in-process, or with `--service-flags` the
+four services as child processes started with those flags, so a service option such as `llm=--float32-weights`
+is checked too) and with the reference (on `--reference-model`, default the same checkpoint: the dequantized copy
+`tools/dequantize_checkpoint.py` writes is the reference for `llm=--weights-dtype=bfloat16`)
 (`tools/reference_turn.py` under the reference's own Python: `python3 -m venv .ref && .ref/bin/pip install
 mlx-vlm==0.7.10 mlx-audio==0.6.2`), one after the other, and prints a table per mode: the text and function ids
 and the speech codes must be equal, the user transcript, the assistant text and the function text too, and the
@@ -107,8 +111,12 @@ def _run(command: list[str], what: str) -> None:
 def ours(mode: str, args: argparse.Namespace, folder: Path) -> dict:
     dump = folder / f"ours-{mode}.npz"
     command = [sys.executable, "-m", "orchestrator.cli", mode, str(args.input), "--model", str(args.model),
-               "--in-process", "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds),
+               "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds),
                "--output-audio", str(folder / f"ours-{mode}.wav"), "--dump", str(dump), "--force"]
+    for flags in args.service_flags:
+        command += ["--service-flags", flags]
+    if not args.service_flags:
+        command.append("--in-process")
     if args.system_prompt is not None:
         command += ["-p", args.system_prompt]
     _run(command, f"our {mode} turn")
@@ -118,8 +126,8 @@ def ours(mode: str, args: argparse.Namespace, folder: Path) -> dict:
 def reference(mode: str, args: argparse.Namespace, folder: Path) -> dict:
     out = folder / f"reference-{mode}.npz"
     command = [str(args.reference_python), str(ROOT / "tools" / "reference_turn.py"), mode, "--model",
-               str(args.model), "--input", str(args.input), "--out", str(out), "--seed", str(args.seed),
-               "--extra-decoding-seconds", str(args.extra_decoding_seconds)]
+               str(args.reference_model or args.model), "--input", str(args.input), "--out", str(out),
+               "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds)]
     if args.system_prompt is not None:
         command += ["--system-prompt", args.system_prompt]
     _run(command, f"the reference's {mode} turn")
@@ -135,14 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-p", "--system-prompt", default=None,
                         help="system prompt (default: the checkpoint's, as both implementations default)")
     parser.add_argument("--extra-decoding-seconds", type=float, default=3.0)
+    parser.add_argument("--service-flags", action="append", default=[], metavar="NAME=FLAGS",
+                        help="start our four services with these flags (NAME one of perception, llm, tts, codec or "
+                             "all; repeatable) instead of running the engines in-process")
+    parser.add_argument("--reference-model", type=Path, default=None,
+                        help="the checkpoint the reference runs (default --model)")
     parser.add_argument("--reference-python", type=Path, default=DEFAULT_REFERENCE,
                         help=f"the reference's Python (default {DEFAULT_REFERENCE.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if not args.reference_python.exists():
         parser.error(f"--reference-python {args.reference_python}: no such file; install the reference with "
                      "python3 -m venv .ref && .ref/bin/pip install mlx-vlm==0.7.10 mlx-audio==0.6.2")
-    for path, what in ((args.input, "input"), (args.model, "--model")):
-        if not path.exists():
+    for path, what in ((args.input, "input"), (args.model, "--model"), (args.reference_model, "--reference-model")):
+        if path is not None and not path.exists():
             parser.error(f"{what} {path}: no such file or folder")
     modes = ["offline", "stream"] if args.mode == "both" else [args.mode]
     identical = True

@@ -39,8 +39,9 @@ def stand_in(tmp_path, changes=(), fail=False):
     return path
 
 
-def check(tiny_checkpoint, python, capsys):
-    code = check_parity.main([str(QUESTION_WAV), "--model", str(tiny_checkpoint), "--reference-python", str(python)])
+def check(tiny_checkpoint, python, capsys, *extra):
+    code = check_parity.main([str(QUESTION_WAV), "--model", str(tiny_checkpoint), "--reference-python", str(python),
+                              *extra])
     return code, capsys.readouterr()
 
 
@@ -55,6 +56,16 @@ def test_our_turn_is_identical_to_the_references(tiny_checkpoint, tmp_path, caps
     assert all(row.endswith("equal") for name, row in rows.items() if name != "speech samples")
     assert "max |diff|" in rows["speech samples"]
     assert lines[9] == "  identical to the reference"
+
+
+def test_service_flags_run_the_services_with_them(tiny_checkpoint, tmp_path, capsys):
+    # float32 weight copies change no output: the turn, now over gRPC, is still the reference's
+    flags = [arg for name in ("perception", "llm", "tts") for arg in ("--service-flags", f"{name}=--float32-weights")]
+    code, out = check(tiny_checkpoint, stand_in(tmp_path), capsys, *flags)
+    assert code == 0, out
+    assert "  identical to the reference" in out.out.splitlines()
+    code, out = check(tiny_checkpoint, stand_in(tmp_path), capsys, "--service-flags", "llm=--no-such-flag")
+    assert code == 2 and out.err.startswith("error: our offline turn failed (exit ")
 
 
 def test_a_changed_code_is_found_and_named_by_its_frame(tiny_checkpoint, tmp_path, capsys):
