@@ -97,21 +97,21 @@ _FLOAT_PCM = {"FLOAT": np.float32, "DOUBLE": np.float64}
 
 
 def _int16_samples(path: Path, subtype: str) -> np.ndarray:
-    """The file's samples as 16-bit integers (int64, frames x channels), the way the reference's decoder
+    """The file's samples as 16-bit integers (int32, frames x channels), the way the reference's decoder
     (miniaudio) converts them: wider integers keep their top 16 bits, 8-bit ones move up 8 bits, and floats
     x in [-1, 1] (clipped) become floor((x + 1) 32767.5) - 32768, computed in the file's float width. Other
     encodings (ADPCM, A-law, MP3, Vorbis...) are decoded to 16 bits by libsndfile, whose decoders may differ
     from the reference's by a step (an MP3 of the bundled question: at most one 16-bit step)."""
     if subtype in _INTEGER_PCM:
-        return sf.read(str(path), dtype="int32", always_2d=True)[0].astype(np.int64) >> 16
+        return sf.read(str(path), dtype="int32", always_2d=True)[0] >> 16
     if subtype in _FLOAT_PCM:
         width = _FLOAT_PCM[subtype]
         data = sf.read(str(path), dtype="float64", always_2d=True)[0].astype(width)
         if not np.all(np.isfinite(data)):
             raise AudioError(f"{path}: the audio contains non-finite samples")
         scaled = (np.clip(data, width(-1), width(1)) + width(1)) * width(32767.5)
-        return np.floor(scaled).astype(np.int64) - 32768
-    return sf.read(str(path), dtype="int16", always_2d=True)[0].astype(np.int64)
+        return np.floor(scaled).astype(np.int32) - 32768
+    return sf.read(str(path), dtype="int16", always_2d=True)[0].astype(np.int32)
 
 
 def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
@@ -131,7 +131,7 @@ def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
         raise AudioError(f"{path}: not a readable audio file ({exc})") from None
     if data.shape[0] == 0:
         raise AudioError(f"{path}: the file holds no audio samples")
-    mono = (data.sum(axis=1) // data.shape[1]).astype(np.float32) / np.float32(32768)
+    mono = (data.sum(axis=1, dtype=np.int32) // data.shape[1]).astype(np.float32) / np.float32(32768)
     return resample(mono, int(info.samplerate), sample_rate)
 
 
