@@ -1,8 +1,8 @@
 """Check that this stack answers an input file exactly as the reference implementation does, on any checkpoint.
 
-    python -m tools.check_parity --model DIR INPUT [--mode offline|stream|both] [--seed N] [-p TEXT]
+    python -m tools.check_parity --model DIR INPUT [INPUT ...] [--mode offline|stream|both] [--seed N] [-p TEXT]
         [--extra-decoding-seconds S] [--service-flags NAME=FLAGS ...] [--reference-model DIR]
-        [--reference-python .ref/bin/python]
+        [--reference-python .ref/bin/python] [--json]
 
 Runs the turn with our orchestrator (`offline` or `stream`; engines in-process, or with `--service-flags` the
 four services as child processes started with those flags, so a service option such as `llm=--float32-weights`
@@ -11,13 +11,14 @@ is checked too) and with the reference (on `--reference-model`, default the same
 (`tools/reference_turn.py` under the reference's own Python: `python3 -m venv .ref && .ref/bin/pip install
 mlx-vlm==0.7.10 mlx-audio==0.6.2`), one after the other, and prints a table per mode: the text and function ids
 and the speech codes must be equal, the user transcript, the assistant text and the function text too, and the
-speech samples within 1e-4. Exit status 0 when every mode is, 1 when one is not (its first differing frame is
-named), 2 when a run fails.
+speech samples within 1e-4 (`--json`: one JSON object instead). Exit status 0 when every turn is, 1 when one
+is not (its first differing frame is named), 2 when a run fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -108,9 +109,9 @@ def _run(command: list[str], what: str) -> None:
         raise RunFailed(f"{what} failed (exit {done.returncode}): {last[0]}")
 
 
-def ours(mode: str, args: argparse.Namespace, folder: Path) -> dict:
+def ours(mode: str, source: Path, args: argparse.Namespace, folder: Path) -> dict:
     dump = folder / f"ours-{mode}.npz"
-    command = [sys.executable, "-m", "orchestrator.cli", mode, str(args.input), "--model", str(args.model),
+    command = [sys.executable, "-m", "orchestrator.cli", mode, str(source), "--model", str(args.model),
                "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds),
                "--output-audio", str(folder / f"ours-{mode}.wav"), "--dump", str(dump), "--force"]
     for flags in args.service_flags:
@@ -123,10 +124,10 @@ def ours(mode: str, args: argparse.Namespace, folder: Path) -> dict:
     return _load(dump)
 
 
-def reference(mode: str, args: argparse.Namespace, folder: Path) -> dict:
+def reference(mode: str, source: Path, args: argparse.Namespace, folder: Path) -> dict:
     out = folder / f"reference-{mode}.npz"
     command = [str(args.reference_python), str(ROOT / "tools" / "reference_turn.py"), mode, "--model",
-               str(args.reference_model or args.model), "--input", str(args.input), "--out", str(out),
+               str(args.reference_model or args.model), "--input", str(source), "--out", str(out),
                "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds)]
     if args.system_prompt is not None:
         command += ["--system-prompt", args.system_prompt]
@@ -136,7 +137,7 @@ def reference(mode: str, args: argparse.Namespace, folder: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.check_parity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", type=Path, help="audio file (any rate, mono or stereo)")
+    parser.add_argument("inputs", type=Path, nargs="+", metavar="input", help="audio files (any rate, mono or stereo)")
     parser.add_argument("--model", type=Path, required=True, help="converted checkpoint folder")
     parser.add_argument("--mode", choices=["offline", "stream", "both"], default="offline")
     parser.add_argument("--seed", type=int, default=0, help="speech sampling seed (default 0)")
@@ -150,27 +151,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="the checkpoint the reference runs (default --model)")
     parser.add_argument("--reference-python", type=Path, default=DEFAULT_REFERENCE,
                         help=f"the reference's Python (default {DEFAULT_REFERENCE.relative_to(ROOT)})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = parser.parse_args(argv)
     if not args.reference_python.exists():
         parser.error(f"--reference-python {args.reference_python}: no such file; install the reference with "
                      "python3 -m venv .ref && .ref/bin/pip install mlx-vlm==0.7.10 mlx-audio==0.6.2")
-    for path, what in ((args.input, "input"), (args.model, "--model"), (args.reference_model, "--reference-model")):
+    named = [(path, "input") for path in args.inputs] + [(args.model, "--model"),
+                                                          (args.reference_model, "--reference-model")]
+    for path, what in named:
         if path is not None and not path.exists():
             parser.error(f"{what} {path}: no such file or folder")
     modes = ["offline", "stream"] if args.mode == "both" else [args.mode]
-    identical = True
+    turns = []
     with tempfile.TemporaryDirectory(prefix="check-parity-") as tmp:
-        for mode in modes:
-            try:
-                rows = compare(ours(mode, args, Path(tmp)), reference(mode, args, Path(tmp)))
-            except RunFailed as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
-            frames = rows[0].ours.split(" x ")[0]
-            print(table(f"{mode} turn on {args.input} (seed {args.seed}, {frames} frames):", rows))
-            same = all(r.equal for r in rows)
-            identical &= same
-            print(f"  {'identical to the reference' if same else 'NOT identical to the reference'}\n")
+        for source in args.inputs:
+            for mode in modes:
+                try:
+                    mine, theirs = ours(mode, source, args, Path(tmp)), reference(mode, source, args, Path(tmp))
+                except RunFailed as exc:
+                    print(f"error: {source}: {exc}", file=sys.stderr)
+                    return 2
+                rows = compare(mine, theirs)
+                same = all(r.equal for r in rows)
+                frames = len(mine["text_tokens"])
+                turns.append({"input": str(source), "mode": mode, "seed": args.seed, "frames": frames,
+                              "identical": same, "rows": [dataclasses.asdict(r) for r in rows]})
+                if not args.json:
+                    print(table(f"{mode} turn on {source} (seed {args.seed}, {frames} frames):", rows))
+                    print(f"  {'identical to the reference' if same else 'NOT identical to the reference'}\n")
+    identical = all(turn["identical"] for turn in turns)
+    if args.json:
+        print(json.dumps({"identical": identical, "turns": turns}, ensure_ascii=False))
+    elif len(turns) > 1:
+        print(f"{sum(turn['identical'] for turn in turns)} of {len(turns)} turns identical to the reference")
     return 0 if identical else 1
 
 

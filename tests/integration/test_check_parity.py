@@ -4,6 +4,7 @@ needs no reference install and still compares our real turn with the reference's
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -65,7 +66,7 @@ def test_service_flags_run_the_services_with_them(tiny_checkpoint, tmp_path, cap
     assert code == 0, out
     assert "  identical to the reference" in out.out.splitlines()
     code, out = check(tiny_checkpoint, stand_in(tmp_path), capsys, "--service-flags", "llm=--no-such-flag")
-    assert code == 2 and out.err.startswith("error: our offline turn failed (exit ")
+    assert code == 2 and out.err.startswith(f"error: {QUESTION_WAV}: our offline turn failed (exit ")
 
 
 def test_a_changed_code_is_found_and_named_by_its_frame(tiny_checkpoint, tmp_path, capsys):
@@ -78,7 +79,22 @@ def test_a_changed_code_is_found_and_named_by_its_frame(tiny_checkpoint, tmp_pat
 def test_a_failed_reference_run_is_one_line_and_exit_2(tiny_checkpoint, tmp_path, capsys):
     code, out = check(tiny_checkpoint, stand_in(tmp_path, fail=True), capsys)
     assert code == 2
-    assert out.err.strip() == "error: the reference's offline turn failed (exit 3): loading the model failed: boom"
+    assert out.err.strip() == (f"error: {QUESTION_WAV}: the reference's offline turn failed (exit 3): loading the "
+                               "model failed: boom")
+
+
+def test_several_inputs_and_json(tiny_checkpoint, tmp_path, capsys):
+    copy = tmp_path / "again.wav"
+    copy.write_bytes(QUESTION_WAV.read_bytes())
+    code = check_parity.main([str(QUESTION_WAV), str(copy), "--model", str(tiny_checkpoint), "--reference-python",
+                              str(stand_in(tmp_path, changes=[(7, 0)])), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["identical"] is False
+    assert [(t["input"], t["mode"], t["frames"], t["identical"]) for t in report["turns"]] == [
+        (str(QUESTION_WAV), "offline", 66, False), (str(copy), "offline", 66, False)]
+    codes = next(row for row in report["turns"][0]["rows"] if row["what"] == "speech codes")
+    assert codes == {"what": "speech codes", "ours": "66 x 31", "reference": "66 x 31",
+                     "verdict": "differ from frame 7", "equal": False}
 
 
 def test_a_missing_reference_says_how_to_install_it(tiny_checkpoint, tmp_path, capsys):
