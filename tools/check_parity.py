@@ -118,8 +118,8 @@ def ours(mode: str, source: Path, args: argparse.Namespace, folder: Path) -> dic
         command += ["--service-flags", flags]
     if not args.service_flags:
         command.append("--in-process")
-    if args.system_prompt is not None:
-        command += ["-p", args.system_prompt]
+    if args.system_prompt is not None:  # one argument, so a prompt may start with "-"
+        command.append(f"--system-prompt={args.system_prompt}")
     _run(command, f"our {mode} turn")
     return _load(dump)
 
@@ -130,7 +130,7 @@ def reference(mode: str, source: Path, args: argparse.Namespace, folder: Path) -
                str(args.reference_model or args.model), "--input", str(source), "--out", str(out),
                "--seed", str(args.seed), "--extra-decoding-seconds", str(args.extra_decoding_seconds)]
     if args.system_prompt is not None:
-        command += ["--system-prompt", args.system_prompt]
+        command.append(f"--system-prompt={args.system_prompt}")
     _run(command, f"the reference's {mode} turn")
     return _load(out)
 
