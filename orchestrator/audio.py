@@ -1,7 +1,7 @@
 """Reading user audio and writing response audio.
 
 Any file soundfile reads (WAV, FLAC, OGG; any rate, any channel count) becomes 16 kHz mono float32, by the
-reference implementation's own arithmetic (16-bit samples, integer downmix, its resampling filter);
+reference implementation's own arithmetic (16-bit samples, its integer downmix, its resampling filter);
 responses are written as mono PCM16 to a temporary name and renamed when complete, so a failed turn never
 leaves a partial file or touches one the user already had.
 """
@@ -114,11 +114,20 @@ def _int16_samples(path: Path, subtype: str) -> np.ndarray:
     return sf.read(str(path), dtype="int16", always_2d=True)[0].astype(np.int32)
 
 
+def _mono(data: np.ndarray) -> np.ndarray:
+    """16-bit samples (frames, channels) -> (frames,) int16, mixed as the reference's decoder mixes them: the
+    channels summed in 32 bits, the sum divided as an unsigned 32-bit number, the low 16 bits kept. For 1, 2, 4
+    or 8 channels that is the mean rounded down; for other counts a negative sum comes out as a large positive
+    sample, as the reference hears such a file (mix it down to mono or stereo first for a faithful input)."""
+    total = data.sum(axis=1, dtype=np.int64) & 0xFFFFFFFF
+    return ((total // data.shape[1]) & 0xFFFF).astype(np.uint16).view(np.int16)
+
+
 def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
     """The file as mono float32 at `sample_rate`, read as the reference implementation reads an input file, so
     a turn on any file sees the samples the reference's would: 16-bit samples (`_int16_samples`), the channels
-    averaged in integers and rounded down, divided by 32768, then resampled (`resample`). For PCM and float
-    files of one, two, four or eight channels this equals the reference's input bit for bit."""
+    mixed in integers (`_mono`), divided by 32768, then resampled (`resample`). For PCM and float WAVs of any
+    rate and channel count this equals the reference's input bit for bit."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
@@ -131,7 +140,7 @@ def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
         raise AudioError(f"{path}: not a readable audio file ({exc})") from None
     if data.shape[0] == 0:
         raise AudioError(f"{path}: the file holds no audio samples")
-    mono = (data.sum(axis=1, dtype=np.int32) // data.shape[1]).astype(np.float32) / np.float32(32768)
+    mono = _mono(data).astype(np.float32) / np.float32(32768)
     return resample(mono, int(info.samplerate), sample_rate)
 
 

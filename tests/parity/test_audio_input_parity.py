@@ -1,8 +1,8 @@
 """Input files read as the reference reads them (goldens audio_read.npz, offline_44k_stereo.npz).
 
 `read_audio` must give the reference's `load_audio` samples bit for bit for every case of `audio_inputs`: 8-, 16-,
-24- and 32-bit integer and 32- and 64-bit float WAVs, one, two and four channels, 8 to 48 kHz. A whole offline
-turn on the bundled question at 44.1 kHz in stereo must give the reference's ids and codes.
+24- and 32-bit integer and 32- and 64-bit float WAVs, one, two, three, four and six channels, 8 to 48 kHz. A
+whole offline turn on the bundled question at 44.1 kHz in stereo must give the reference's ids and codes.
 """
 
 from __future__ import annotations

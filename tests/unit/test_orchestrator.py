@@ -131,6 +131,17 @@ def test_samples_become_16_bit_integers_as_the_reference_decoder_makes_them(tmp_
     assert np.array_equal(read_audio(tmp_path / "s24.wav") * 32768, [16383, 0, -2, -16383])
 
 
+def test_channels_mix_as_the_reference_decoder_mixes_them(tmp_path):
+    # a 32-bit sum divided as unsigned, its low 16 bits kept: the floor of the mean for 1, 2, 4, 8 channels...
+    quad = np.array([[1, 2, 3, -7], [-32768, -32768, -32768, -32768], [32767, 32767, 32767, 32767]], np.int16)
+    sf.write(tmp_path / "quad.wav", quad, 16_000, subtype="PCM_16")
+    assert np.array_equal(read_audio(tmp_path / "quad.wav") * 32768, [-1, -32768, 32767])
+    # ...and for three, a negative sum wraps: (2**32 - 742) // 3 keeps 21598 in its low 16 bits
+    three = np.array([[-54, 24, 511], [901, -931, -712]], np.int16)
+    sf.write(tmp_path / "three.wav", three, 16_000, subtype="PCM_16")
+    assert np.array_equal(read_audio(tmp_path / "three.wav") * 32768, [160, 21598])
+
+
 def test_non_finite_float_samples_are_refused(tmp_path):
     sf.write(tmp_path / "nan.wav", np.array([0.0, np.nan, 0.1], np.float32), 16_000, subtype="FLOAT")
     with pytest.raises(AudioError, match="non-finite"):
