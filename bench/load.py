@@ -53,7 +53,8 @@ class Conversation:
     seed: int
 
     def pcm16(self) -> bytes:
-        return to_pcm16(self.samples).astype("<i2").tobytes()
+        """The samples as the PCM16 the server decodes by / 32768 (the input file's own values)."""
+        return to_pcm16(self.samples, 32768.0).astype("<i2").tobytes()
 
 
 @dataclass

@@ -27,14 +27,14 @@ import soundfile as sf
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
-from orchestrator.audio import AudioError, check_writable, read_audio
+from orchestrator.audio import AudioError, check_writable, read_audio, to_pcm16
 
 INPUT_RATE = 16_000
 
 
 def to_wire(samples: np.ndarray) -> bytes:
     """Float samples as the PCM16 the server decodes by / 32768 (a PCM16 file round-trips exactly)."""
-    return np.clip(np.round(np.asarray(samples, np.float64) * 32768.0), -32768, 32767).astype("<i2").tobytes()
+    return to_pcm16(samples, 32768.0).astype("<i2").tobytes()
 
 
 def appends(samples: np.ndarray, chunk: int) -> list[dict]:

@@ -145,8 +145,10 @@ def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
 
 
 def to_pcm16(samples: np.ndarray, scale: float = 32767.0) -> np.ndarray:
-    """round(clip(x, -1, 1) * scale) as int16."""
-    return np.round(np.clip(samples, -1.0, 1.0) * scale).astype(np.int16)
+    """round(clip(x, -1, 1) * scale) as int16, held within int16. The default scale is the responses' (as the
+    reference writes its audio); 32768 inverts the input decoding, int16 / 32768, so PCM16 input sent back as
+    PCM16 keeps its every value."""
+    return np.clip(np.round(np.clip(samples, -1.0, 1.0) * scale), -32768, 32767).astype(np.int16)
 
 
 def check_writable(path: str | Path, overwrite: bool = True) -> Path:

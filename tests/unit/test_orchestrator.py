@@ -142,6 +142,12 @@ def test_channels_mix_as_the_reference_decoder_mixes_them(tmp_path):
     assert np.array_equal(read_audio(tmp_path / "three.wav") * 32768, [160, 21598])
 
 
+def test_pcm16_at_the_input_scale_keeps_every_int16_value_and_full_scale_in_range():
+    ints = np.array([-32768, -1, 0, 1, 12345, 32767], np.int16)
+    assert np.array_equal(to_pcm16(ints / 32768, 32768.0), ints)
+    assert to_pcm16(np.array([1.0, 2.0, -1.0, -2.0]), 32768.0).tolist() == [32767, 32767, -32768, -32768]
+
+
 def test_non_finite_float_samples_are_refused(tmp_path):
     sf.write(tmp_path / "nan.wav", np.array([0.0, np.nan, 0.1], np.float32), 16_000, subtype="FLOAT")
     with pytest.raises(AudioError, match="non-finite"):
