@@ -3,7 +3,8 @@
     python -m bench.rtf offline --model DIR [--reference-python .ref/bin/python] [--lengths 10,30,60]
                                 [--repeat N] [--no-full-history] [--json]
     python -m bench.rtf online --model DIR [--reference-python ...] [--seconds 10] [--grpc]
-                               [--service-flags NAME=FLAGS ...] [--mps] [--grpc-only] [--send-ahead N] [--json]
+                               [--service-flags NAME=FLAGS ...] [--service-env NAME=VAR=VALUE ...] [--mps]
+                               [--grpc-only] [--send-ahead N] [--json]
 
 offline: one turn over the bundled question padded with silence to each length. Ours runs the engines
 in-process with persistent language caches; the reference runs its default full-history path (the language
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from bench.reference_driver import question_padded
 from orchestrator.clients import local_clients
-from orchestrator.connect import parse_service_flags, service_flags
+from orchestrator.connect import parse_service_env, parse_service_flags, service_envs, service_flags
 from orchestrator.timeline import run_offline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,8 @@ def print_offline(rows: list) -> None:
 
 
 def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: int,
-                flags: dict[str, list[str]] | None = None, send_ahead: int = 2, mps: bool = False) -> dict:
+                flags: dict[str, list[str]] | None = None, send_ahead: int = 2, mps: bool = False,
+                envs: dict[str, dict[str, str]] | None = None) -> dict:
     import resource
 
     import mlx.core as mx
@@ -126,7 +128,7 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
 
     services = None
     if grpc:  # the four services as child processes, so their memory can be read before they stop
-        with launched(model, flags=flags, mps=mps) as children:
+        with launched(model, flags=flags, mps=mps, envs=envs) as children:
             clients = grpc_stream_clients({name: child.address for name, child in children.items()})
             try:
                 session = run(clients)
@@ -176,10 +178,11 @@ def reference_online(python: Path, model: Path, seconds: float, drop: int) -> di
 
 @dataclass(frozen=True)
 class GrpcRun:
-    """Ours over gRPC child services too: their extra flags, under an MPS daemon or not, and (`only`) without
-    the in-process runs."""
+    """Ours over gRPC child services too: their extra flags and environment variables, under an MPS daemon or
+    not, and (`only`) without the in-process runs."""
 
     flags: dict[str, list[str]] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
     mps: bool = False
     only: bool = False
 
@@ -195,7 +198,7 @@ def online_rows(model: Path, python: Path | None, seconds: float, drop: int, grp
                 "ours sequential": ours_online(model, seconds, False, False, drop)}
     if grpc is not None:
         runs["ours pipelined gRPC"] = ours_online(model, seconds, True, True, drop, grpc.flags, send_ahead,
-                                                  grpc.mps)
+                                                  grpc.mps, grpc.envs)
     if python is not None:
         runs["reference"] = reference_online(python, model, seconds, drop)
     return runs
@@ -248,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-flags", type=parse_service_flags, action="append", metavar="NAME=FLAGS",
                         help="online --grpc: extra flags for a service (NAME: perception, llm, tts, codec or all; "
                              "repeatable), e.g. --service-flags llm='--weights-dtype bfloat16 --float32-weights'")
+    parser.add_argument("--service-env", type=parse_service_env, action="append", metavar="NAME=VAR=VALUE",
+                        help="online --grpc: an environment variable for a service (NAME as for --service-flags; "
+                             "repeatable), e.g. --service-env perception=MLX_USE_CUDA_GRAPHS=0")
     parser.add_argument("--mps", action="store_true",
                         help="online --grpc: the services share the GPU through an MPS daemon of their own")
     parser.add_argument("--grpc-only", action="store_true",
@@ -260,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [float(x) for x in args.lengths.split(",") if x.strip()]
     python = None if args.ours_only else args.reference_python
     if args.mode == "online":
-        if (args.service_flags or args.mps or args.grpc_only) and not args.grpc:
-            parser.error("--service-flags, --mps and --grpc-only are for the run over gRPC: add --grpc")
-        grpc = GrpcRun(service_flags(args.service_flags), args.mps, args.grpc_only) if args.grpc else None
+        if (args.service_flags or args.service_env or args.mps or args.grpc_only) and not args.grpc:
+            parser.error("--service-flags, --service-env, --mps and --grpc-only are for the run over gRPC: add --grpc")
+        grpc = GrpcRun(service_flags(args.service_flags), service_envs(args.service_env), args.mps,
+                       args.grpc_only) if args.grpc else None
         runs = online_rows(args.model, python, args.seconds, args.drop, grpc, args.send_ahead)
         if args.json:
             print(json.dumps({"mode": "online", "runs": runs}, indent=2))

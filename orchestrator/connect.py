@@ -56,10 +56,38 @@ def parse_service_flags(text: str) -> tuple[str, list[str]]:
 def service_flags(entries: list[tuple[str, list[str]]] | None) -> dict[str, list[str]]:
     """Repeated --service-flags -> name -> flags, `all` first and each service's own after it."""
     flags: dict[str, list[str]] = {name: [] for name in SERVICES}
-    for name, extra in sorted(entries or [], key=lambda entry: entry[0] != "all"):
-        for target in SERVICES if name == "all" else (name,):
-            flags[target] += extra
+    for target, extra in _per_service(entries):
+        flags[target] += extra
     return flags
+
+
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_service_env(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME=VAR=VALUE` (NAME one of the services or `all`) -> (NAME, {VAR: VALUE}); VALUE may hold `=`."""
+    name, _, setting = text.partition("=")
+    name = name.strip()
+    variable, sep, value = setting.partition("=")
+    if name not in (*SERVICES, "all") or not sep or not _VARIABLE.fullmatch(variable):
+        raise ValueError(f"--service-env {text!r}: expected NAME=VAR=VALUE with NAME one of {', '.join(SERVICES)} "
+                         "or all and VAR an environment variable's name, e.g. perception=MLX_USE_CUDA_GRAPHS=0")
+    return name, {variable: value}
+
+
+def service_envs(entries: list[tuple[str, dict[str, str]]] | None) -> dict[str, dict[str, str]]:
+    """Repeated --service-env -> name -> variables, `all` first, so a service's own setting of a variable wins."""
+    envs: dict[str, dict[str, str]] = {name: {} for name in SERVICES}
+    for target, variables in _per_service(entries):
+        envs[target].update(variables)
+    return envs
+
+
+def _per_service(entries: list[tuple[str, object]] | None) -> Iterator[tuple[str, object]]:
+    """(service, value) for each entry, in order, `all` entries first and given to every service."""
+    for name, value in sorted(entries or [], key=lambda entry: entry[0] != "all"):
+        for target in SERVICES if name == "all" else (name,):
+            yield target, value
 
 
 def _is_target(address: str) -> bool:
@@ -104,8 +132,8 @@ def checked(parse):
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """Where the networks run: --model, --services or --in-process, --service-flags and --mps for the services
-    the command starts, and the deadlines."""
+    """Where the networks run: --model, --services or --in-process, --service-flags, --service-env and --mps for
+    the services the command starts, and the deadlines."""
     parser.add_argument("--model", help="converted checkpoint folder (default $VOICECHAT_MODEL, else the demo)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--services", type=checked(parse_services),
@@ -116,6 +144,10 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
                         help="extra flags for a service this command starts (NAME: perception, llm, tts, codec or "
                              "all; repeatable), e.g. --service-flags llm='--weights-dtype bfloat16' "
                              "--service-flags all='--precompile-batches 16'")
+    parser.add_argument("--service-env", type=checked(parse_service_env), action="append", metavar="NAME=VAR=VALUE",
+                        help="an environment variable for a service this command starts (NAME as for "
+                             "--service-flags; repeatable), e.g. --service-env perception=MLX_USE_CUDA_GRAPHS=0: "
+                             "settings read once per process, such as MLX's and CUDA MPS's, per service")
     parser.add_argument("--mps", action="store_true",
                         help="the services this command starts share the GPU through a CUDA MPS daemon started for "
                              "them and stopped after (NVIDIA GPUs; needs nvidia-cuda-mps-control): their kernels run "
@@ -126,25 +158,27 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 def connection_from_args(args: argparse.Namespace) -> dict:
     """Where the services are, as `connect` / `connect_streams` take it, from `add_connection_flags`' flags;
     UsageError for flags that cannot go together."""
-    for flag, given in (("--service-flags", args.service_flags), ("--mps", args.mps)):
+    for flag, given in (("--service-flags", args.service_flags), ("--service-env", args.service_env),
+                        ("--mps", args.mps)):
         if given and (args.services is not None or args.in_process):
             raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
                              "or --in-process")
     return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags), "mps": args.mps}
+            "flags": service_flags(args.service_flags), "envs": service_envs(args.service_env), "mps": args.mps}
 
 
 @contextlib.contextmanager
 def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
-            mps: bool = False) -> Iterator[dict[str, str]]:
+            mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, str]]:
     """The four services' addresses: the ones given, or children started here (from the main thread, with
-    their extra `flags`, under an MPS daemon of their own with `mps`) and stopped on exit. A client failure
+    their extra `flags` and environment variables `envs`, under an MPS daemon of their own with `mps`) and
+    stopped on exit. A client failure
     while a child has died names that child."""
     if services:
         yield services
         return
     try:
-        with launched(model, flags=flags, mps=mps) as children:
+        with launched(model, flags=flags, mps=mps, envs=envs) as children:
             try:
                 yield {name: child.address for name, child in children.items()}
             except ServiceError as exc:
@@ -159,12 +193,12 @@ def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str
 @contextlib.contextmanager
 def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
             deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
-            mps: bool = False) -> Iterator[Clients]:
+            mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
-    with serving(model, services, flags, mps) as addresses:
+    with serving(model, services, flags, mps, envs) as addresses:
         clients = grpc_clients(addresses, deadlines)
         try:
             yield clients

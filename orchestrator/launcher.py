@@ -121,18 +121,20 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def launched(model: Path, names: tuple[str, ...] = SERVICES, flags: dict[str, list[str]] | None = None,
-             mps: bool = False) -> Iterator[dict[str, ServiceProcess]]:
-    """Start the services (they load in parallel) with their extra `flags` (name -> flags), yield name ->
-    process, and always stop them. With `mps` they share the GPU through an MPS daemon started for them first
-    and stopped after them (see orchestrator.mps)."""
+             mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, ServiceProcess]]:
+    """Start the services (they load in parallel) with their extra `flags` (name -> flags) and environment
+    variables `envs` (name -> variables, over this process's own), yield name -> process, and always stop them.
+    With `mps` they share the GPU through an MPS daemon started for them first and stopped after them (see
+    orchestrator.mps)."""
     with contextlib.ExitStack() as stack:
         try:
-            env = stack.enter_context(mps_daemon()) if mps else None
+            daemon = stack.enter_context(mps_daemon()) if mps else {}
         except MpsError as exc:
             raise LaunchError(str(exc)) from None
         children: dict[str, ServiceProcess] = {}
         try:
             for name in names:
+                env = {**daemon, **(envs or {}).get(name, {})}
                 children[name] = spawn_service(name, model, (flags or {}).get(name), env=env)
             wait_ready(list(children.values()))
             yield children

@@ -174,3 +174,9 @@ def test_service_flags_cannot_go_with_running_or_in_process_services(tiny_checkp
         assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), *where,
                          "--service-flags", "llm=--max-batch 4"]) != 0
         assert "--service-flags is for services this command starts" in capsys.readouterr().err
+        assert cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), *where,
+                         "--service-env", "llm=MLX_USE_CUDA_GRAPHS=0"]) != 0
+        assert "--service-env is for services this command starts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["offline", str(QUESTION_WAV), "--model", str(tiny_checkpoint), "--service-env", "llm=X"])
+    assert "expected NAME=VAR=VALUE" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 from orchestrator.audio import AudioError, read_audio, resample, to_pcm16, write_wav
-from orchestrator.connect import parse_service_flags, parse_services, service_flags
+from orchestrator.connect import parse_service_env, parse_service_flags, parse_services, service_envs, service_flags
 from orchestrator.text import TokenAccumulator
 from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo, append_silence, run_offline
 
@@ -234,3 +234,20 @@ def test_service_flags_split_like_a_shell_and_all_comes_first():
     for bad, needle in (("orchestrator=--x", "NAME one of"), ("llm", "NAME=FLAGS"), ("llm='--x", "quotation")):
         with pytest.raises(ValueError, match=needle):
             parse_service_flags(bad)
+
+
+def test_service_env_takes_a_name_a_variable_and_a_value_and_a_services_own_setting_wins():
+    entries = [parse_service_env("perception=MLX_USE_CUDA_GRAPHS=0"), parse_service_env("all=MLX_USE_CUDA_GRAPHS=1"),
+               parse_service_env("all=CUDA_MPS_CLIENT_PRIORITY=1"), parse_service_env("llm=OPTS=a=b c")]
+    assert entries[3] == ("llm", {"OPTS": "a=b c"})
+    assert service_envs(entries) == {
+        "perception": {"MLX_USE_CUDA_GRAPHS": "0", "CUDA_MPS_CLIENT_PRIORITY": "1"},
+        "llm": {"MLX_USE_CUDA_GRAPHS": "1", "CUDA_MPS_CLIENT_PRIORITY": "1", "OPTS": "a=b c"},
+        "tts": {"MLX_USE_CUDA_GRAPHS": "1", "CUDA_MPS_CLIENT_PRIORITY": "1"},
+        "codec": {"MLX_USE_CUDA_GRAPHS": "1", "CUDA_MPS_CLIENT_PRIORITY": "1"},
+    }
+    assert parse_service_env("tts=EMPTY=") == ("tts", {"EMPTY": ""})
+    assert service_envs(None) == {"perception": {}, "llm": {}, "tts": {}, "codec": {}}
+    for bad in ("vision=A=1", "llm=A", "llm", "llm==1", "llm=1A=2", "llm=A-B=1"):
+        with pytest.raises(ValueError, match="expected NAME=VAR=VALUE"):
+            parse_service_env(bad)
