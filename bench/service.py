@@ -2,7 +2,8 @@
 
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
-                            [--weights-dtype stored|bfloat16] [--float32-weights] [--json]
+                            [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
+                            [--partial N] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -11,6 +12,10 @@ service's batches. Reported per K: the service's mean batch size (from its metri
 sessions and per-frame latency p50/p95, over gRPC and for the same K sessions stepped together on the engine in
 this process (its batched call); the difference of the two latencies is what the transport and the service's
 queueing cost. A service the bench starts has the batch sizes it will see compiled at load.
+
+--partial N (in-process, with --no-grpc) has every third step leave N of the K sessions out, a different N each
+time, as a live service's batch does when some sessions' frames are late: the table then splits the steps into
+full ones after a full one, partial ones, and full ones after a partial one.
 """
 
 from __future__ import annotations
@@ -120,12 +125,26 @@ async def drive(address: str, load: Workload, sessions: int, frames: int, warmup
     }
 
 
+PARTIAL_EVERY = 3  # with --partial, steps 2, 5, 8, ... leave some sessions out
+
+
+def stepping(k: int, partial: int, index: int) -> list[int]:
+    """The sessions (of k) that step at `index`: all, or on every PARTIAL_EVERY-th step all but `partial` of them,
+    the ones left out moving on by `partial` each time."""
+    if partial == 0 or index % PARTIAL_EVERY != PARTIAL_EVERY - 1:
+        return list(range(k))
+    first = (index // PARTIAL_EVERY * partial) % k
+    out = {(first + j) % k for j in range(partial)}
+    return [b for b in range(k) if b not in out]
+
+
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
                llm_weights_dtype: str | None = None, float32_weights: bool = False,
-               split_matmuls: bool = False) -> dict[int, dict]:
+               split_matmuls: bool = False, partial: int = 0) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
-    through the engine's batched call (K = 1 is the solo path). The engine first precompiles the batch sizes up
-    to the largest K, as a service this bench starts does. Returns {K: frames/s and per-step latency}."""
+    through the engine's batched call (K = 1 is the solo path), with `partial` of them left out of every third
+    step (`stepping`). The engine first precompiles the batch sizes up to the largest K, as a service this bench
+    starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step}."""
     import mlx.core as mx
 
     rng = np.random.default_rng(0)
@@ -161,21 +180,34 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
         open_one = engine.open_stream
         q, cb = config.codec_config.num_quantizers, config.codec_config.codebook_size
         batch = lambda live, i: engine.decode_batch([  # noqa: E731
-            (s, i, rng.integers(0, cb, q).astype(np.int32)) for s in live])
+            (s, done[id(s)], rng.integers(0, cb, q).astype(np.int32)) for s in live])
     engine.precompile(max(sessions))
     report = {}
+    done: dict[int, int] = {}  # frames each session has stepped (the codec's frame index)
     for k in sessions:
         live = [open_one() for _ in range(k)]
-        latencies = []
+        done.update((id(s), 0) for s in live)
+        latencies, kinds, frames_stepped, previous = [], [], 0, k
         for index in range(frames + warmup):
+            members = [live[b] for b in stepping(k, partial, index)]
             start = time.perf_counter()
-            errors = [r for r in batch(live, index) if isinstance(r, BaseException)]
+            errors = [r for r in batch(members, index) if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
+            for s in members:
+                done[id(s)] += 1
             if index >= warmup:
                 latencies.append((time.perf_counter() - start) * 1000.0)
-        report[k] = {"sessions": k, "frames_per_second": k * len(latencies) / (sum(latencies) / 1000.0),
+                frames_stepped += len(members)
+                kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
+            previous = len(members)
+        report[k] = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
                      "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+        if partial:
+            for kind in ("full", "partial", "after_partial"):
+                picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
+                report[k][kind] = {"steps": len(picked), "p50_ms": percentile(picked, 0.5) if picked else None,
+                                   "p95_ms": percentile(picked, 0.95) if picked else None}
         del live
     return report
 
@@ -229,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-matmuls", action="store_true",
                         help="perception, llm, tts, on a CUDA GPU: the service's --split-matmuls, started and "
                         "in-process")
+    parser.add_argument("--partial", type=int, default=0, metavar="N",
+                        help="in-process (--no-grpc): leave N of the K sessions out of every third step, and time "
+                             "full, partial and after-partial steps apart")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
+        parser.error(f"--partial {args.partial}: needs --no-grpc and fewer than the smallest session count "
+                     f"({min(args.sessions)})")
     if args.float32_weights and args.service == "codec":
         parser.error("--float32-weights: the codec service has no such option")
     if args.split_matmuls and args.service == "codec":
@@ -266,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if child is not None:
             stop([child])
     local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
-                        args.float32_weights, args.split_matmuls) if args.in_process else {})
+                        args.float32_weights, args.split_matmuls, args.partial) if args.in_process else {})
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
     if not args.grpc:
         rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]
@@ -280,12 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     where = f"at {address}" if args.grpc else "in this process"
     print(f"{args.service} {where}: {args.frames} frames per session after {args.warmup} warm-up")
     if not args.grpc:
-        print("| sessions | in-process frames/s | in-process p50 / p95 ms |")
-        print("| --- | --- | --- |")
+        kinds = ("full", "partial", "after_partial") if args.partial else ()
+        print("| sessions | in-process frames/s | in-process p50 / p95 ms |"
+              + "".join(f" {kind.replace('_', ' ')}: steps, p50 / p95 ms |" for kind in kinds))
+        print("| --- | --- | --- |" + " --- |" * len(kinds))
         for row in rows:
             p = row["in_process"]
+            split = "".join(f" {p[kind]['steps']}, {_ms(p[kind])} |" for kind in kinds)
             print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
-                  f"{p['latency_p95_ms']:.2f} |")
+                  f"{p['latency_p95_ms']:.2f} |{split}")
         return 0
     print("| sessions | mean batch | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | "
           "in-process p50 / p95 ms | transport p50 ms |")
@@ -298,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['sessions']} | {batch} | {g['frames_per_second']:.1f} | {g['latency_p50_ms']:.2f} / "
               f"{g['latency_p95_ms']:.2f} | {here} |")
     return 0
+
+
+def _ms(kind: dict) -> str:
+    return "-" if kind["p50_ms"] is None else f"{kind['p50_ms']:.2f} / {kind['p95_ms']:.2f}"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import service, stages
+from services.common.config import VoiceChatConfig
 
 
 @pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
@@ -49,6 +50,36 @@ def test_service_bench_in_process_only_starts_no_service(tiny_checkpoint, capsys
                          "--float32-weights"]) == 0
     with pytest.raises(SystemExit):
         service.main(["codec", "--model", str(tiny_checkpoint), "--no-grpc", "--float32-weights"])
+
+
+def test_partial_steps_leave_different_sessions_out_every_third_step():
+    assert [service.stepping(4, 1, i) for i in range(9)] == [
+        [0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3],
+        [0, 1, 3]]
+    assert service.stepping(5, 2, 5) == [0, 1, 4] and service.stepping(5, 2, 8) == [1, 2, 3]
+    assert service.stepping(3, 0, 2) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name", ["llm", "codec", "perception"])
+def test_service_bench_times_full_partial_and_after_partial_steps_apart(tiny_checkpoint, name):
+    report = service.in_process(name, tiny_checkpoint, VoiceChatConfig.load(tiny_checkpoint), [3], 7, 2,
+                                partial=1)[3]
+    # steps 2..8 measured: partial at 2, 5, 8; after a partial at 3, 6; full at 4, 7
+    assert [report[kind]["steps"] for kind in ("full", "partial", "after_partial")] == [2, 3, 2]
+    assert all(report[kind]["p50_ms"] > 0 for kind in ("full", "partial", "after_partial"))
+    assert report["frames_per_second"] > 0
+
+
+def test_service_bench_partial_needs_the_in_process_side_and_fewer_than_the_sessions(tiny_checkpoint, capsys):
+    assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "3", "--frames", "4",
+                         "--warmup", "1", "--no-grpc", "--partial", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("| partial: steps, p50 / p95 ms | after partial: steps, p50 / p95 ms |")
+    assert lines[3].startswith("| 3 |") and len(lines[3].split(" | ")) == 6
+    for bad in (["--partial", "1"], ["--no-grpc", "--partial", "3"], ["--no-grpc", "--sessions", "1,4", "--partial",
+                                                                      "1"]):
+        with pytest.raises(SystemExit):
+            service.main(["codec", "--model", str(tiny_checkpoint), *bad])
 
 
 def test_stage_bench_counts_kernels_per_stage(tiny_checkpoint, capsys):
