@@ -13,7 +13,7 @@ sessions and per-frame latency p50/p95, over gRPC and for the same K sessions st
 this process (its batched call); the difference of the two latencies is what the transport and the service's
 queueing cost. A service the bench starts has the batch sizes it will see compiled at load.
 
---partial N (in-process, with --no-grpc) has every third step leave N of the K sessions out, a different N each
+--partial N (in-process, with --no-grpc) has every third step leave N of the K sessions out, other ones each
 time, as a live service's batch does when some sessions' frames are late: the table then splits the steps into
 full ones after a full one, partial ones, and full ones after a partial one.
 """
@@ -153,7 +153,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
 
         engine = PerceptionEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
         open_one = engine.open_stream
-        batch = lambda live, i: engine.push_batch([  # noqa: E731
+        batch = lambda live: engine.push_batch([  # noqa: E731
             (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
     elif name == "llm":
         from services.llm.engine import LanguageEngine
@@ -162,7 +162,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                                      split_matmuls=split_matmuls)
         hidden = config.text_config.hidden_size
         open_one = lambda: engine.open_session("")  # noqa: E731
-        batch = lambda live, i: engine.step_batch([  # noqa: E731
+        batch = lambda live: engine.step_batch([  # noqa: E731
             (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
     elif name == "tts":
         from services.tts.engine import TTSEngine
@@ -172,14 +172,14 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
         prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
         open_one = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
         vocab = config.text_config.vocab_size
-        batch = lambda live, i: engine.step_batch([(s, int(rng.integers(16, vocab))) for s in live])  # noqa: E731
+        batch = lambda live: engine.step_batch([(s, int(rng.integers(16, vocab))) for s in live])  # noqa: E731
     else:
         from services.codec.engine import CodecEngine
 
         engine = CodecEngine.load(model)
         open_one = engine.open_stream
         q, cb = config.codec_config.num_quantizers, config.codec_config.codebook_size
-        batch = lambda live, i: engine.decode_batch([  # noqa: E731
+        batch = lambda live: engine.decode_batch([  # noqa: E731
             (s, done[id(s)], rng.integers(0, cb, q).astype(np.int32)) for s in live])
     engine.precompile(max(sessions))
     report = {}
@@ -191,7 +191,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
         for index in range(frames + warmup):
             members = [live[b] for b in stepping(k, partial, index)]
             start = time.perf_counter()
-            errors = [r for r in batch(members, index) if isinstance(r, BaseException)]
+            errors = [r for r in batch(members) if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
             for s in members:

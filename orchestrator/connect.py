@@ -172,8 +172,7 @@ def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str
             mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, str]]:
     """The four services' addresses: the ones given, or children started here (from the main thread, with
     their extra `flags` and environment variables `envs`, under an MPS daemon of their own with `mps`) and
-    stopped on exit. A client failure
-    while a child has died names that child."""
+    stopped on exit. A client failure while a child has died names that child."""
     if services:
         yield services
         return
