@@ -35,7 +35,7 @@ from services.perception.rnnt import (
     RNNTState,
     pieces_to_text,
 )
-from services.perception.streaming import EncoderStream, begin_stacked, front_pad, padding_mask
+from services.perception.streaming import EncoderStream, begin_stacked, padding_mask
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
 
@@ -364,14 +364,14 @@ class PerceptionEngine:
         if min(held) == left:
             attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
-        else:  # some caches are still filling: pad them at the front and mask the padding out
-            attn = [rows.gather([front_pad(e.attn_caches[n], left) for e in encoders]) for n in range(n_layers)]
+        else:  # some caches are still filling: padded at the front (as the last step left them), padding masked
+            padded = [e.padded_caches() for e in encoders]
+            attn = [rows.gather([p[n] for p in padded]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_padded_stream_step(window, lo, hi, attn, conv,
                                                                      padding_mask(held, left, hi - lo))
         attn_rows, conv_rows = [rows.split(a) for a in attn], [rows.split(c) for c in conv]
         for b, e in enumerate(encoders):
-            keep = min(held[b] + hi - lo, left)  # what the solo step keeps: the real rows only
-            e.attn_caches = [r[b] if keep == left else r[b][:, left - keep :] for r in attn_rows]
+            e.keep_padded([r[b] for r in attn_rows], min(held[b] + hi - lo, left))
             e.conv_caches = [r[b] for r in conv_rows]
         embedding = self.proj(h)  # (B, 1, hidden)
         rnnt = self.rnnt
@@ -463,7 +463,7 @@ class PerceptionStream:
         lstm = self.rnnt.lstm
         enc = self.encoder
         return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
-                *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
+                *enc.padded_rows(), *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
 
     def push(self, frame: mx.array | np.ndarray) -> StreamFrame:
         """frame: (1280,) float32 -> this frame's projected embedding, encoder output and transcript delta."""

@@ -39,6 +39,8 @@ class EncoderStream:
         self.attn_caches = [mx.zeros((1, 0, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
         self.conv_caches = [mx.zeros((1, cfg.conv_kernel_size - 1, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
         self.mel_cache: mx.array | None = None  # (1, n, n_mels)
+        # while the caches fill: (cache, the padded row it is the tail of) per layer, from the last padded step
+        self._padded: list[tuple[mx.array, mx.array]] | None = None
         self.pending: mx.array | None = None
         self.consumed = 0  # mel frames pushed through the subsampler
         self.emitted = 0  # encoder frames produced
@@ -75,15 +77,34 @@ class EncoderStream:
         if self.caches_full or not pad_while_filling():
             step = encoder.compiled_stream_step if self.caches_full else encoder.stream_step
             h, self.attn_caches, self.conv_caches = step(window, lo, hi, self.attn_caches, self.conv_caches)
+            self._padded = None
             return h
         left = encoder.cfg.left_context
         held = self.attn_caches[0].shape[1]
-        padded = [front_pad(cache, left) for cache in self.attn_caches]
         h, padded, self.conv_caches = encoder.compiled_padded_stream_step(
-            window, lo, hi, padded, self.conv_caches, padding_mask([held], left, hi - lo))
-        keep = min(held + hi - lo, left)  # the real rows: what the unpadded step keeps
-        self.attn_caches = [cache[:, left - keep :] for cache in padded]
+            window, lo, hi, self.padded_caches(), self.conv_caches, padding_mask([held], left, hi - lo))
+        self.keep_padded(padded, min(held + hi - lo, left))
         return h
+
+    def padded_caches(self) -> list[mx.array]:
+        """The attention caches with zero rows in front up to the full left context: the rows the last padded
+        step left (no copy), else padded now."""
+        return self.padded_rows() or [front_pad(cache, self.encoder.cfg.left_context) for cache in self.attn_caches]
+
+    def keep_padded(self, rows: list[mx.array], keep: int) -> None:
+        """Store a padded step's new caches: rows (1, left, D) per layer, of which the last `keep` are real (what
+        the unpadded step keeps); the zero rows before them are the padding the next padded step needs."""
+        left = self.encoder.cfg.left_context
+        self.attn_caches = [row if keep == left else row[:, left - keep :] for row in rows]
+        self._padded = None if keep == left else list(zip(self.attn_caches, rows, strict=True))
+
+    def padded_rows(self) -> list[mx.array]:
+        """The rows the last padded step left, while the caches are still their tails ([] once the caches are
+        full or another step replaced them)."""
+        kept = self._padded
+        if kept is None or any(cache is not tail for cache, (tail, _) in zip(self.attn_caches, kept, strict=True)):
+            return []
+        return [row for _, row in kept]
 
     @property
     def caches_full(self) -> bool:

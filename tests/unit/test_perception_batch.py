@@ -134,6 +134,40 @@ def test_sessions_still_filling_their_caches_batch_padded_and_equal_solo(engine,
     assert any(((mask == 0).all(axis=1)).any() for mask in padded)
 
 
+def test_filling_sessions_batched_again_take_the_padded_caches_their_last_step_left(engine, monkeypatch):
+    """A batched step of sessions still filling their caches gets the last padded step's outputs back as its
+    inputs (the same arrays: no padding or stacking copied per session and layer), and equals the solo pushes."""
+    from bench.stages import KernelCounter
+
+    seen = []
+    original = engine.encoder.compiled_padded_stream_step
+
+    def spy(window, lo, hi, attn, conv, key_mask):
+        out = original(window, lo, hi, attn, conv, key_mask)
+        seen.append((attn, out[1]))
+        return out
+
+    monkeypatch.setitem(engine.encoder.__dict__, "compiled_padded_stream_step", spy)
+    audio = [_audio(engine, k) for k in range(3)]
+    expected = [_solo(engine, a, 10) for a in audio]
+    streams = [engine.open_stream() for _ in audio]
+    counts = []
+    for tick in range(10):  # the tiny left context is 12: every batched step here is a padded one
+        with KernelCounter() as counter:
+            outs = engine.push_batch([(s, _frame(engine, a, tick)) for s, a in zip(streams, audio, strict=True)])
+        counts.append(counter.take()["top"])
+        for k, out in enumerate(outs):
+            _assert_same(expected[k][tick], out)
+    assert len(seen) >= 5
+    for (inputs, _), (_, last) in zip(seen[1:], seen[:-1], strict=True):
+        assert all(a is b for a, b in zip(inputs, last, strict=True))
+    # the first padded step pads every session's layers; the ones after it only what every frame pads (the
+    # subsampling's input)
+    first = len(counts) - len(seen)
+    pads = [c.get("Pad", 0) for c in counts[first:]]
+    assert pads[0] >= pads[1] + len(streams) * len(streams[0].encoder.attn_caches) and len(set(pads[1:])) == 1
+
+
 def _solo_caches(engine, audio: np.ndarray, frames: int = 16) -> list[mx.array]:
     stream = engine.open_stream()
     for f in range(frames):
