@@ -122,6 +122,7 @@ async def talk(address: str, samples: np.ndarray, seed: int, *, hold_after: int 
     frames = chunks(samples)
     got: list[tuple] = []
     audio_seen = asyncio.Event()
+    ended = asyncio.Event()  # the server ended the conversation with an error: send nothing more
     resumed_at: list[float] = []
 
     async def requests():
@@ -132,15 +133,25 @@ async def talk(address: str, samples: np.ndarray, seed: int, *, hold_after: int 
                 held.set()
                 await resume.wait()
                 resumed_at.append(time.monotonic())
+            if ended.is_set():
+                return
             yield chunk
         yield flush()
 
     async with grpc.aio.insecure_channel(address) as channel:
         call = conversation_pb2_grpc.ConversationServiceStub(channel).Converse(requests(), timeout=120)
-        async for response in call:
-            got.append(describe(response))
-            if hold_after is not None and sum(e[0] == "audio" for e in got) == hold_after:
-                audio_seen.set()
+        try:
+            async for response in call:
+                got.append(describe(response))
+                if got[-1][0] == "error":
+                    ended.set()
+                if hold_after is not None and sum(e[0] == "audio" for e in got) == hold_after:
+                    audio_seen.set()
+        except grpc.aio.AioRpcError as exc:
+            # a frame already on its way when the server ends the conversation fails on this side (INTERNAL)
+            # if its send loses the race with the server's status; the conversation had ended with its error
+            if not (ended.is_set() and exc.code() == grpc.StatusCode.INTERNAL):
+                raise
     return got, (time.monotonic() - resumed_at[0]) if resumed_at else None
 
 
