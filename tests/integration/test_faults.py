@@ -104,6 +104,16 @@ def cluster(tiny_checkpoint):
     cluster.close()
 
 
+@pytest.fixture(autouse=True)
+def _every_service_running(request):
+    """A test that failed between killing a replica and restarting it leaves the next test every service."""
+    if "cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("cluster")
+        for name, child in list(cluster.children.items()):
+            if child.process.poll() is not None:
+                restart(cluster, name)
+
+
 @pytest.fixture(scope="module")
 def wave():
     return load_golden("online")[0]["waveform"]
