@@ -37,6 +37,12 @@ from services.llm.nemotron_h import (
 MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
 MAX_FULL_HISTORY_POSITIONS = 4096  # the diagnostic mode recomputes everything each step: keep it bounded
 PREFIX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+# A batch of at least this share of a pool's sessions (the others' frames not due) runs over all of the pool's
+# rows, the others' states passed through as they are: its matmuls read the weights once at 15 rows as at 16,
+# while taking 15 sessions' rows of the stacked states and writing them back copies every state twice (on an
+# H200, 15 of 16 sessions took 54.8 ms a step that way against 36.4 ms for all 16). A smaller share takes its
+# rows, so that a step of two of sixteen costs a step of two.
+MASKED_SHARE = 0.5
 
 
 @dataclass
@@ -149,8 +155,9 @@ class _StatePool:
 
     While every session still holds exactly those views (a solo step or a close replaces them), the next batch
     of the same sessions takes the stacks as they are: no per-session concatenation of states each step. A
-    batch of some of them (the others' frames not due yet) takes its rows from the stacks and writes them back,
-    so the pool stays whole for the next batch of all."""
+    batch of some of them (the others' frames not due yet) keeps the pool whole for the next batch of all: at
+    least `MASKED_SHARE` of them step over every row, the others' rows passed through unchanged; fewer take
+    their rows from the stacks and write them back."""
 
     sessions: tuple[LanguageSession, ...]
     stacked: list[mx.array]
@@ -170,12 +177,22 @@ class _StatePool:
         rows = [where.get(s.session_id) for s in sessions]
         return None if None in rows else rows
 
+    @classmethod
+    def handing(cls, sessions: Sequence[LanguageSession], stacked: list[mx.array], layers: list[int]) -> _StatePool:
+        """The pool of `stacked` (row b session b's), each session handed its views of them as its states."""
+        pool = cls(tuple(sessions), stacked, [])
+        pool._hand(layers)
+        return pool
+
     def write_rows(self, rows: list[int], states: list[mx.array], layers: list[int]) -> None:
         """Put a batch of some of the pool's sessions' new states (len(rows) rows each) into the stacks at `rows`,
         and hand every session its views of the new stacks (the others' rows are as they were)."""
         at = mx.array(rows)
         for stack, new in zip(self.stacked, states, strict=True):
             stack[at] = new
+        self._hand(layers)
+
+    def _hand(self, layers: list[int]) -> None:
         b = len(self.sessions)
         self.rows = [list(r) for r in zip(*(mx.split(stack, b, axis=0) for stack in self.stacked), strict=True)]
         for session, own in zip(self.sessions, self.rows, strict=True):
@@ -332,10 +349,12 @@ class LanguageEngine:
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Feed `steps` batched prompt rows, then run `steps` batched steps, at every batch size 1..max_batch on
-        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), then
-        one step of some of the last batch's sessions at each size below it (their stacked states and caches
-        kept, as when some sessions' frames are not due), so the compiled pieces of each size are traced (and,
-        on a GPU, their kernels built) before a client's frame waits for them. Leaves no session open."""
+        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), each
+        size's batch followed by one step of all but one of it (the step over all its rows that leaves one
+        session's states as they are), then one step of some of the last batch's sessions at each size below it
+        (their stacked states and caches kept, as when some sessions' frames are not due), so the compiled
+        pieces of each size are traced (and, on a GPU, their kernels built) before a client's frame waits for
+        them. Leaves no session open."""
         prompt = [self.model.bos_id, *[self.model.eos_id] * (min(steps * max_batch + 2, self.max_prompt_tokens) - 1)]
         sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
@@ -351,6 +370,8 @@ class LanguageEngine:
             for size in range(1, max_batch + 1):
                 for _ in range(steps):
                     raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
+                if size - 1 >= max(2, MASKED_SHARE * size):  # all but one: the step over all `size` rows
+                    raise_first(self.step_batch([(s, audio, False, None) for s in sessions[: size - 1]]))
             for size in range(max_batch - 1, 1, -1):  # some of the last batch's sessions: its stacks kept
                 raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
         finally:
@@ -467,32 +488,40 @@ class LanguageEngine:
         `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs.
         Without `heads` the rows are prompt rows: the finish counts them as fed and gives no outputs."""
         sessions = tuple(step[0] for step in steps)
-        b, hidden = len(steps), self.model.hidden_size
+        hidden = self.model.hidden_size
         batched = self.model.batched_step
+        layers = batched.mamba_layers
         key = tuple(s.session_id for s in sessions)
         pool = self._pools.get(key)
         holder, held = (None, None) if pool is not None else self._pool_holding(sessions)
+        # rows[i]: entry i's row of the forward; active: the rows that step, when some of a pool's do not
+        rows, active = list(range(len(steps))), None
+        if holder is not None and MASKED_SHARE * len(holder.sessions) <= len(sessions):
+            rows, active, pool, holder = held, sorted(held), holder, None
         if pool is not None:
-            states = pool.stacked
+            states, members = pool.stacked, pool.sessions
         elif holder is not None:  # some of a pool's sessions: their rows of its stacks
             at = mx.array(held)
-            states = [mx.take(stack, at, axis=0) for stack in holder.stacked]
+            states, members = [mx.take(stack, at, axis=0) for stack in holder.stacked], sessions
         else:
-            per_session = [_mamba_states(s, batched.mamba_layers) for s in sessions]
-            states = [mx.concatenate(rows, axis=0) for rows in zip(*per_session, strict=True)]
-        prev_text = mx.array([[s.prev_text] for s in sessions], dtype=mx.int32)
-        prev_function = mx.array([[s.prev_function] for s in sessions], dtype=mx.int32)
-        audio = mx.stack([step[1] for step in steps]).reshape(b, 1, hidden)
-        out, states = batched(prev_text, audio, prev_function, states, [s.caches for s in sessions], heads)
+            per_session = [_mamba_states(s, layers) for s in sessions]
+            states = [mx.concatenate(parts, axis=0) for parts in zip(*per_session, strict=True)]
+            members = sessions
+        b = len(members)
+        audio_rows = [step[1] for step in steps]
+        if active is not None:  # the rows sitting out get zeros (their outputs are not used)
+            audio_rows = [mx.zeros_like(audio_rows[0])] * b
+            for row, step in zip(rows, steps, strict=True):
+                audio_rows[row] = step[1]
+        prev_text = mx.array([[s.prev_text] for s in members], dtype=mx.int32)
+        prev_function = mx.array([[s.prev_function] for s in members], dtype=mx.int32)
+        audio = mx.stack(audio_rows).reshape(b, 1, hidden)
+        out, states = batched(prev_text, audio, prev_function, states, [s.caches for s in members], heads, active)
         if holder is not None:
-            holder.write_rows(held, states, batched.mamba_layers)
+            holder.write_rows(held, states, layers)
             states = holder.stacked
         else:
-            rows = [list(r) for r in zip(*(mx.split(state, b, axis=0) for state in states), strict=True)]
-            for session, own in zip(sessions, rows, strict=True):
-                for n, i in enumerate(batched.mamba_layers):
-                    session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
-            self._pools[key] = _StatePool(sessions, states, rows)
+            self._pools[tuple(s.session_id for s in members)] = _StatePool.handing(members, states, layers)
         for session in sessions:
             session.positions += 1
         kv = [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
@@ -501,15 +530,16 @@ class LanguageEngine:
             def fed() -> list[None]:
                 for session in sessions:
                     session.prompt_positions += 1
-                return [None] * b
+                return [None] * len(sessions)
 
             return fed
         text_logits, function_logits, ids = out
 
         def finish() -> list[StepOutput]:
             outputs = []
-            for row, ((session, _, return_logits, _), (text_id, function_id)) in enumerate(
-                    zip(steps, ids.tolist(), strict=True)):
+            every = ids.tolist()
+            for row, (session, _, return_logits, _) in zip(rows, steps, strict=True):
+                text_id, function_id = every[row]
                 session.prev_text, session.prev_function = text_id, function_id
                 session.frames += 1
                 logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()

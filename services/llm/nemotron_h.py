@@ -15,10 +15,12 @@ state-space form for sequences, and a single-position recurrence whose ops reduc
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
@@ -511,9 +513,10 @@ class CachedStep:
         self.ranges = [(edges[k] + 1, edges[k + 1]) for k in range(len(edges) - 1)]
         self.pieces = [mx.compile(functools.partial(self._piece, k)) for k in range(len(self.ranges))]
 
-    def _piece(self, k: int, carried: tuple[mx.array, ...], states: list[mx.array], heads: bool
-               ) -> tuple[tuple[mx.array, ...], list[mx.array]]:
-        """Piece k of the stack: (carried in, [conv, ssm] per Mamba layer) -> (carried out, updated states)."""
+    def _piece(self, k: int, carried: tuple[mx.array, ...], states: list[mx.array], heads: bool,
+               keep: mx.array | None = None) -> tuple[tuple[mx.array, ...], list[mx.array]]:
+        """Piece k of the stack: (carried in, [conv, ssm] per Mamba layer) -> (carried out, updated states).
+        With `keep` (B,) bool, the rows where it is False give back their states as they came in."""
         model, blocks = self.model, self.blocks
         if k == 0:
             x = model.fuse_ids(*carried)
@@ -524,9 +527,14 @@ class CachedStep:
         pending, updated = iter(states), []
         for block in blocks[start:end]:
             if block.kind == "M":
-                cache = MambaCache(next(pending), next(pending))
+                before = (next(pending), next(pending))
+                cache = MambaCache(*before)
                 x = block(x, cache)
-                updated += [cache.conv, cache.ssm]
+                after = (cache.conv, cache.ssm)
+                if keep is not None:
+                    after = tuple(mx.where(keep.reshape(-1, *[1] * (a.ndim - 1)), a, b)
+                                  for a, b in zip(after, before, strict=True))
+                updated += after
             else:
                 x = block(x)
         if end < len(blocks):
@@ -578,21 +586,39 @@ class BatchedStep(CachedStep):
         return [i for i, block in enumerate(self.blocks) if block.kind == "M"]
 
     def __call__(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array, states: list[mx.array],
-                 caches: list[list[LayerCache]], heads: bool = True
+                 caches: list[list[LayerCache]], heads: bool = True, active: Sequence[int] | None = None
                  ) -> tuple[tuple[mx.array, ...], list[mx.array]]:
         """prev_text, prev_function: (B, 1) int32; audio: (B, 1, D); states: [conv (B, K-1, C), ssm (B, H, P, N)]
         per Mamba layer in stack order, row b being session b's; caches: each session's layer caches, whose
         attention caches advance in place (their Mamba caches are not read or written here).
         Returns ((text logits, function logits (B, 1, vocab), ids (B, 2) uint32), the updated states); the first
-        is () without `heads` (a prompt position, whose outputs are not used)."""
+        is () without `heads` (a prompt position, whose outputs are not used).
+
+        With `active` (increasing row indices) only those rows step: the other rows' states come back as they
+        went in (selected, not recomputed; a bf16 conv tail widened to float32 where the active rows' first
+        float32 row widens theirs, which no later step can tell apart), their attention caches are not touched,
+        and their outputs are meaningless. Each active row's results are those of a batch of the active rows
+        alone: every op but attention is row by row, and attention runs over the active rows' caches only."""
         carried: tuple[mx.array, ...] = (prev_text, audio, prev_function)
+        keep = None
+        if active is not None:
+            mask = np.zeros(prev_text.shape[0], bool)
+            mask[list(active)] = True
+            keep, at = mx.array(mask), mx.array(np.asarray(active, np.uint32))
+            caches = [caches[r] for r in active]
         pending, updated = iter(states), []
         for k, piece in enumerate(self.pieces):
             start, end = self.ranges[k]
             count = 2 * sum(1 for i in range(start, end) if self.blocks[i].kind == "M")
-            carried, out = piece(carried, [next(pending) for _ in range(count)], heads)
+            carried, out = piece(carried, [next(pending) for _ in range(count)], heads, keep)
             updated += out
             if end < len(self.blocks):
                 x, q, k_new, v_new = carried
-                carried = (x, self.blocks[end].mixer.attend_sessions(q, k_new, v_new, [c[end] for c in caches]))
+                mixer, layer = self.blocks[end].mixer, [c[end] for c in caches]
+                if keep is None:
+                    attended = mixer.attend_sessions(q, k_new, v_new, layer)
+                else:  # the active rows' attention, put back at their rows (zeros at the others)
+                    attended = mx.zeros(q.shape, q.dtype)
+                    attended[at] = mixer.attend_sessions(q[at], k_new[at], v_new[at], layer)
+                carried = (x, attended)
         return carried, updated

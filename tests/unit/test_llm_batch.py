@@ -231,19 +231,25 @@ def test_a_bad_entry_gets_its_error_and_disturbs_nobody(engines, embeds, batch_s
         assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in want]
         assert max(_max_diff(a, b) for a, b in zip(got[k], want, strict=True)) <= LOGIT_TOLERANCE
     assert [len(g) for g in got] == [8, 8, 4]
-    assert batch_sizes == [2, 3, 2, 2, 2, 3, 3, 2]  # session 1 (no prompt) takes its first step alone
+    # session 1 (no prompt) takes its first step alone; the steps of two of the three run over all three rows
+    assert batch_sizes == [2, 3, 3, 3, 3, 3, 3, 3]
     with pytest.raises(ValueError, match="appears twice"):
         engine.step_batch([(sessions[0], inputs[0][5], False, None)] * 2)
     for s in [*sessions, history]:
         engine.close_session(s)
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0], ids=["over-all-rows", "rows-taken"])
 def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_gets_its_own(engines, embeds,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, share):
     """The stacked Mamba states a batch leaves are the next batch's, as they are; a batch of some of the same
-    sessions takes its rows of them and writes them back (the pool stays whole, the others' rows untouched); a
-    batch that mixes in a session from outside drops the pool, and each session it leaves behind gets copies of
-    its own rows. Every session then goes on equal to its solo run."""
+    sessions keeps the pool whole, the others' rows unchanged: two of three step over all three rows (at
+    MASKED_SHARE 0.5), or take their rows and write them back (at 1.0); a batch that mixes in a session from
+    outside drops the pool, and each session it leaves behind gets copies of its own rows. Every session then
+    goes on equal to its solo run."""
+    from services.llm import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MASKED_SHARE", share)
     engine = engines["dense"]
     layers = engine.model.batched_step.mamba_layers
     inputs = []
@@ -263,11 +269,18 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
     (pool,) = engine._pools.values()
     assert pool.intact(layers) and pool.sessions == tuple(sessions)
     views = [np.array(a) for a in pool.rows[2]]
+    stacked = pool.stacked
     engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third sits this frame out
-    assert all(a.shape[0] == 2 for a in inputs[2])  # the two sessions' rows of the stacks
-    (kept,) = engine._pools.values()
-    assert kept is pool and pool.intact(layers) and pool.sessions == tuple(sessions)
+    if share == 1.0:
+        assert all(a.shape[0] == 2 for a in inputs[2])  # the two sessions' rows of the stacks
+        (kept,) = engine._pools.values()
+        assert kept is pool
+    else:
+        assert all(a is b for a, b in zip(inputs[2], stacked, strict=True))  # all three rows, as they were
+        (pool,) = engine._pools.values()
+    assert pool.intact(layers) and pool.sessions == tuple(sessions)
     assert all(np.array_equal(a, b) for a, b in zip(pool.rows[2], views, strict=True))
+    assert sessions[2].positions == sessions[0].positions - 1
     out = engine.step_batch([(sessions[0], rows[3], True, 3), (sessions[1], rows[3], True, 3),
                              (sessions[2], rows[2], True, 2)])  # all three again: the pool as it is
     assert all(a is b for a, b in zip(inputs[3], pool.stacked, strict=True))
@@ -382,21 +395,34 @@ def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bi
 
 
 def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, monkeypatch):
-    """At load, after batches of every size, some of the last batch's sessions step at each size below it,
-    taking their rows of its stacked states (the partial steps' kernels built before a client's frame)."""
+    """At load, each batch size's steps are followed by a step of all but one of its sessions over all its rows;
+    after every size, some of the last batch's sessions step at each size below it, over all its rows or
+    (under half of them) taking their rows of its stacked states: the partial steps' kernels are built before
+    a client's frame."""
     from services.llm import engine as engine_module
 
     engine = engines["dense"]
-    written = []
-    original = engine_module._StatePool.write_rows
+    written, calls = [], []
+    original, forward = engine_module._StatePool.write_rows, BatchedStep.__call__
 
     def spy(self, rows, states, layers):
         written.append((len(self.sessions), list(rows)))
         return original(self, rows, states, layers)
 
+    def spy_forward(self, prev_text, audio, prev_function, states, caches, heads=True, active=None):
+        calls.append((prev_text.shape[0], heads, None if active is None else list(active)))
+        return forward(self, prev_text, audio, prev_function, states, caches, heads, active)
+
     monkeypatch.setattr(engine_module._StatePool, "write_rows", spy)
-    engine.precompile(4)
-    # the last two: the steps of three and two of the four (before them, prompt rows fed to the sessions that
-    # still had some, also as some of a pool's)
-    assert written[-2:] == [(4, [0, 1, 2]), (4, [0, 1])]
+    monkeypatch.setattr(BatchedStep, "__call__", spy_forward)
+    engine.precompile(5)
+    steps = [c for c in calls if c[1]]  # the steps; prompt rows come first
+    # At each size the newest session's first step is solo (its conv tails are bf16 from the prompt until its
+    # first float32 step), so size k's first batch is of k - 1 (at size 2 both step alone); then all k, then
+    # all but one over all k rows.
+    assert steps == [(2, True, None)] * 2 + [(3, True, None), (3, True, [0, 1])] \
+        + [(3, True, None), (4, True, None), (4, True, [0, 1, 2])] \
+        + [(4, True, None), (5, True, None), (5, True, [0, 1, 2, 3])] \
+        + [(5, True, [0, 1, 2, 3]), (5, True, [0, 1, 2]), (2, True, None)]  # four, three and two of the five
+    assert written[-1:] == [(5, [0, 1])]  # two of five: their rows taken and written back
     assert not engine._pools and not engine.live_sessions
