@@ -48,6 +48,10 @@ batched="--service-flags llm=--weights-dtype=bfloat16 --service-flags all=--prec
 cuda=0  # the language model's split matmuls, in the live run and the engines step, need MLX's CUDA backend
 "$py" -c "import mlx.core as mx, sys; sys.exit(not mx.cuda.is_available())" 2>/dev/null && cuda=1
 [ $cuda = 1 ] && batched="$batched --service-flags llm=--split-matmuls"
+# CUDA graphs off in perception and speech: faster at 16 conversations, slower for one (docs/performance.md)
+for name in perception tts; do
+  [ $cuda = 1 ] && batched="$batched --service-env $name=MLX_USE_CUDA_GRAPHS=0"
+done
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags="${SERVE_FLAGS:-$batched} ${EXTRA_SERVE_FLAGS:-}"
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
