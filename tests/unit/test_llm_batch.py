@@ -426,3 +426,62 @@ def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, m
         + [(5, True, [0, 1, 2, 3]), (5, True, [0, 1, 2]), (2, True, None)]  # four, three and two of the five
     assert written[-1:] == [(5, [0, 1])]  # two of five: their rows taken and written back
     assert not engine._pools and not engine.live_sessions
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["own-attention", "grouped-attention"])
+def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, embeds, monkeypatch, grouped):
+    """Six sessions stepping all together and in seeded random subsets between, in random order, one of them
+    closed midway: steps of at least half of the pool run over all of its rows, smaller ones take their rows,
+    and every session's ids and logits equal its solo run, with the attention caches per session or grouped
+    (the GPU's path, forced)."""
+    from services.llm import engine as engine_module
+    from services.llm import nemotron_h
+
+    monkeypatch.setattr(nemotron_h, "grouping", lambda: grouped)
+    engine = engines["4bit"]
+    rng = np.random.default_rng(7)
+    # every other tick all of them (the pool re-formed), in between a random subset of any size
+    schedule = [[int(k) for k in rng.permutation(6)[: 6 if t % 2 == 0 else int(rng.integers(1, 6))]]
+                for t in range(24)]
+    schedule = [[k for k in ks if not (k == 5 and t > 12)] for t, ks in enumerate(schedule)]  # 5 leaves at 12
+    counts = [sum(k in ks for ks in schedule) for k in range(6)]
+
+    def opened(k):
+        return engine.open_session(system_prompt=f"Session {k}, be brief.", prefix_dtype="float32")
+
+    def solo(k):
+        session = opened(k)
+        out = [session.step(row, True, t) for t, row in enumerate(_inputs(embeds, k, counts[k]))]
+        engine.close_session(session)
+        return out
+
+    expected = [solo(k) for k in range(6)]
+    paths = {"over all rows": 0, "rows taken": 0}
+    forward, write = BatchedStep.__call__, engine_module._StatePool.write_rows
+
+    def spy_forward(self, *args):
+        paths["over all rows"] += len(args) > 6 and args[6] is not None
+        return forward(self, *args)
+
+    def spy_write(self, *args):
+        paths["rows taken"] += 1
+        return write(self, *args)
+
+    monkeypatch.setattr(BatchedStep, "__call__", spy_forward)
+    monkeypatch.setattr(engine_module._StatePool, "write_rows", spy_write)
+    sessions = [opened(k) for k in range(6)]
+    inputs = [_inputs(embeds, k, counts[k]) for k in range(6)]
+    got = [[] for _ in range(6)]
+    for t, ks in enumerate(schedule):
+        steps = [(sessions[k], inputs[k][len(got[k])], True, len(got[k])) for k in ks]
+        for k, out in zip(ks, engine.step_batch(steps), strict=True):
+            got[k].append(out)
+        if t == 12:
+            engine.close_session(sessions[5])
+    assert paths["over all rows"] >= 5 and paths["rows taken"] >= 2
+    for k in range(6):
+        assert [(o.text_id, o.function_id) for o in got[k]] == [(o.text_id, o.function_id) for o in expected[k]]
+        assert max(_max_diff(a, b) for a, b in zip(got[k], expected[k], strict=True)) <= LOGIT_TOLERANCE
+    for session in sessions[:5]:
+        engine.close_session(session)
+    assert not engine._pools and not engine.live_sessions
