@@ -34,6 +34,9 @@
 # nvidia-smi is on PATH, each step's GPU clocks, power, utilization and temperature are sampled every 0.5 s into
 # OUT_DIR/<step>.gpu.csv (reading them changes no setting).
 # COUNTS ("SESSIONS 1"): the live step's numbers of conversations, each run at every pace.
+# REPLICAS (none): the live step's services started as several processes, e.g. "perception=2 tts=2"
+# (`--replicas`, up to 9 each here); each replica keeps its own step log (steps-NAME-R.jsonl) and metrics
+# port (91R<n>).
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -138,18 +141,30 @@ wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 # live conversations: the orchestrator and its four services, then the load; every wait gives up when the
 # process it waits for has died
 port=50060
-metrics=(perception=9101 llm=9102 tts=9103 codec=9104)
-steps_of=""  # each service's --step-log, read with each run's timeline by bench.timeline
+metrics=(perception=1 llm=2 tts=3 codec=4)  # metrics port 91R<n> for replica R of service n: 9101-9104 for one each
+declare -A replicas=()
+for entry in ${REPLICAS:-}; do replicas[${entry%=*}]=${entry#*=}; serve_flags="$serve_flags --replicas $entry"; done
+steps_of=""  # each service's (each replica's) --step-log, read with each run's timeline by bench.timeline
+ports=()
 for entry in "${metrics[@]}"; do
   name=${entry%=*}
-  serve_flags="$serve_flags --service-flags $name=--metrics-port=${entry#*=}"
-  serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name.jsonl"
-  steps_of="$steps_of --steps $name=$out/steps-$name.jsonl"
+  count=${replicas[$name]:-1}
+  serve_flags="$serve_flags --service-flags $name=--metrics-port=91{replica}${entry#*=}"
+  if [ "$count" = 1 ]; then
+    serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name.jsonl"
+    steps_of="$steps_of --steps $name=$out/steps-$name.jsonl"
+  else
+    serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name-{replica}.jsonl"
+  fi
+  for r in $(seq 0 $((count - 1))); do
+    ports+=("91$r${entry#*=}")
+    [ "$count" = 1 ] || steps_of="$steps_of --steps $name-$r=$out/steps-$name-$r.jsonl"
+  done
 done
 scrape() {  # scrape NAME: each service's batch-size histogram totals and memory gauges, kept and printed
-  for entry in "${metrics[@]}"; do
+  for p in "${ports[@]}"; do
     "$py" -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
-      "http://127.0.0.1:${entry#*=}/metrics"
+      "http://127.0.0.1:$p/metrics"
   done > "$out/$1.metrics" 2>&1
   grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
 }

@@ -94,7 +94,7 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
 
     import mlx.core as mx
 
-    from orchestrator.launcher import launched
+    from orchestrator.launcher import grpc_target, launched
     from orchestrator.session import OnlineSession, transcript_vocabulary
     from orchestrator.stream_clients import connect_streams, grpc_stream_clients
     from orchestrator.text import TextDecoder
@@ -129,12 +129,12 @@ def ours_online(model: Path, seconds: float, pipelined: bool, grpc: bool, drop: 
     services = None
     if grpc:  # the four services as child processes, so their memory can be read before they stop
         with launched(model, flags=flags, mps=mps, envs=envs) as children:
-            clients = grpc_stream_clients({name: child.address for name, child in children.items()})
+            clients = grpc_stream_clients({name: grpc_target(group) for name, group in children.items()})
             try:
                 session = run(clients)
             finally:
                 clients.close()
-            services = {name: service_memory(child.process.pid) for name, child in children.items()}
+            services = {name: service_memory(child.process.pid) for name, (child,) in children.items()}
     else:
         with connect_streams(model, in_process=True) as clients:
             session = run(clients)

@@ -112,6 +112,9 @@ class Channel:
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
         self.channel = grpc.insecure_channel(address, options=options)
+        # connect now, not at the first session's call: round robin picks among the replicas already connected,
+        # so the first sessions would all land on whichever connected first
+        self._connecting = grpc.channel_ready_future(self.channel)
         self.stub = stub_class(self.channel)
 
     def unary(self, method: str, request, timeout: float | None = None):
@@ -124,6 +127,7 @@ class Channel:
         return BidiStream(self, method)
 
     def close(self) -> None:
+        self._connecting.cancel()
         self.channel.close()
 
 
@@ -267,14 +271,22 @@ class GrpcSpeechSession:
         self.stream.close()
 
 
+# The speech service's description and the codec's prompt codes depend on the checkpoint alone, so a client
+# asks for them once and keeps them (its replicas serve one checkpoint). Asked for every session, they would
+# also take a round-robin pick each: with two replicas, every session's stream would land on the same one.
+
+
 class GrpcSpeech:
     def __init__(self, address: str, deadlines: Deadlines | None = None):
         self.channel = Channel("tts", address, speech_pb2_grpc.SpeechServiceStub, deadlines)
+        self._info: SpeechInfo | None = None
 
     def info(self) -> SpeechInfo:
-        reply = self.channel.unary("Describe", speech_pb2.SpeechDescribeRequest())
-        return SpeechInfo(reply.prompt_frames, reply.num_quantizers, tuple(reply.control_codes),
-                          tuple(reply.silence_codes))
+        if self._info is None:
+            reply = self.channel.unary("Describe", speech_pb2.SpeechDescribeRequest())
+            self._info = SpeechInfo(reply.prompt_frames, reply.num_quantizers, tuple(reply.control_codes),
+                                    tuple(reply.silence_codes))
+        return self._info
 
     def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> GrpcSpeechSession:
         stream = self.channel.stream("Stream")
@@ -283,12 +295,24 @@ class GrpcSpeech:
         return GrpcSpeechSession(stream)
 
 
+class PromptCodes:
+    """The codec's prompt codes of each length, asked of the service once (see above)."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self._kept: dict[int, np.ndarray] = {}
+
+    def __call__(self, frames: int) -> np.ndarray:
+        if frames not in self._kept:
+            self._kept[frames] = from_proto_np(
+                self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
+        return self._kept[frames].copy()
+
+
 class GrpcCodec:
     def __init__(self, address: str, deadlines: Deadlines | None = None):
         self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub, deadlines)
-
-    def prompt_codes(self, frames: int) -> np.ndarray:
-        return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
+        self.prompt_codes = PromptCodes(self.channel)
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
         reply = self.channel.unary("Decode", codec_pb2.CodecDecodeRequest(codes=to_proto_np(codes.astype(np.int32))))

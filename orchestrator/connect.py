@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients, local_clients
-from orchestrator.launcher import SERVICES, LaunchError, launched
+from orchestrator.launcher import REPLICA, SERVICES, LaunchError, grpc_target, launched
 from orchestrator.timeline import Clients
 
 __all__ = ["Deadlines", "ServiceError", "add_deadline_flags", "connect", "deadlines_from_args", "parse_services"]
@@ -83,6 +83,28 @@ def service_envs(entries: list[tuple[str, dict[str, str]]] | None) -> dict[str, 
     return envs
 
 
+MAX_REPLICAS = 16
+
+
+def parse_replicas(text: str) -> tuple[str, int]:
+    """`NAME=N` (NAME one of the services or `all`) -> (NAME, N), 1 <= N <= MAX_REPLICAS."""
+    name, sep, count = text.partition("=")
+    name = name.strip()
+    if name not in (*SERVICES, "all") or not sep or not count.strip().isdigit() \
+            or not 1 <= int(count) <= MAX_REPLICAS:
+        raise ValueError(f"--replicas {text!r}: expected NAME=N with NAME one of {', '.join(SERVICES)} or all and "
+                         f"N from 1 to {MAX_REPLICAS}, e.g. perception=2")
+    return name, int(count)
+
+
+def service_replicas(entries: list[tuple[str, int]] | None) -> dict[str, int]:
+    """Repeated --replicas -> name -> processes to start, `all` first, so a service's own count wins."""
+    counts = {name: 1 for name in SERVICES}
+    for target_name, count in _per_service(entries):
+        counts[target_name] = count
+    return counts
+
+
 def _per_service(entries: list[tuple[str, object]] | None) -> Iterator[tuple[str, object]]:
     """(service, value) for each entry, in order, `all` entries first and given to every service."""
     for name, value in sorted(entries or [], key=lambda entry: entry[0] != "all"):
@@ -152,6 +174,12 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
                         help="the services this command starts share the GPU through a CUDA MPS daemon started for "
                              "them and stopped after (NVIDIA GPUs; needs nvidia-cuda-mps-control): their kernels run "
                              "side by side instead of taking turns")
+    parser.add_argument("--replicas", type=checked(parse_replicas), action="append", metavar="NAME=N",
+                        help="start N processes of a service this command starts (NAME as for --service-flags; "
+                             "repeatable); new sessions spread over them round-robin, and each replica batches "
+                             f"its own sessions' steps in a process of its own. {REPLICA} in its flags and "
+                             "environment values becomes each replica's index, e.g. --service-flags "
+                             f"perception=--step-log=steps-{REPLICA}.jsonl")
     add_deadline_flags(parser)
 
 
@@ -159,29 +187,33 @@ def connection_from_args(args: argparse.Namespace) -> dict:
     """Where the services are, as `connect` / `connect_streams` take it, from `add_connection_flags`' flags;
     UsageError for flags that cannot go together."""
     for flag, given in (("--service-flags", args.service_flags), ("--service-env", args.service_env),
-                        ("--mps", args.mps)):
+                        ("--mps", args.mps), ("--replicas", args.replicas)):
         if given and (args.services is not None or args.in_process):
             raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
                              "or --in-process")
     return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags), "envs": service_envs(args.service_env), "mps": args.mps}
+            "flags": service_flags(args.service_flags), "envs": service_envs(args.service_env), "mps": args.mps,
+            "replicas": service_replicas(args.replicas)}
 
 
 @contextlib.contextmanager
 def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
-            mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, str]]:
-    """The four services' addresses: the ones given, or children started here (from the main thread, with
-    their extra `flags` and environment variables `envs`, under an MPS daemon of their own with `mps`) and
-    stopped on exit. A client failure while a child has died names that child."""
+            mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
+            replicas: dict[str, int] | None = None) -> Iterator[dict[str, str]]:
+    """The four services' gRPC targets: the ones given, or children started here (from the main thread, with
+    their extra `flags` and environment variables `envs`, `replicas[name]` processes of a service, under an MPS
+    daemon of their own with `mps`) and stopped on exit. A client failure while a child has died names that
+    child."""
     if services:
         yield services
         return
     try:
-        with launched(model, flags=flags, mps=mps, envs=envs) as children:
+        with launched(model, flags=flags, mps=mps, envs=envs, replicas=replicas) as children:
             try:
-                yield {name: child.address for name, child in children.items()}
+                yield {name: grpc_target(group) for name, group in children.items()}
             except ServiceError as exc:
-                dead = [c.name for c in children.values() if c.process.poll() is not None]
+                dead = sorted({c.name for group in children.values() for c in group
+                               if c.process.poll() is not None})
                 if dead:
                     raise ServiceError(f"{exc} (the {', '.join(dead)} service process exited)") from None
                 raise
@@ -192,12 +224,13 @@ def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str
 @contextlib.contextmanager
 def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
             deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
-            mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[Clients]:
+            mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
+            replicas: dict[str, int] | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
-    with serving(model, services, flags, mps, envs) as addresses:
+    with serving(model, services, flags, mps, envs, replicas) as addresses:
         clients = grpc_clients(addresses, deadlines)
         try:
             yield clients

@@ -119,27 +119,81 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
             child.process.wait()
 
 
+# In a replica's flags and environment values, this becomes the replica's index (0, 1, ...): what each replica
+# needs for itself, such as its own --step-log file or --metrics-port.
+REPLICA = "{replica}"
+# Flags whose value no two processes can share: a port binds once, and a step log written by several is garbled.
+_OWN_FLAGS = ("--metrics-port", "--step-log")
+
+
+def grpc_target(replicas: list[ServiceProcess]) -> str:
+    """The gRPC target naming a service's started replicas: HOST:PORT for one, else an `ipv4:` list, over which
+    the orchestrator's channel spreads new sessions round-robin."""
+    if len(replicas) == 1:
+        return replicas[0].address
+    return "ipv4:" + ",".join(child.address for child in replicas)
+
+
+def replica_settings(name: str, count: int, flags: list[str], env: dict[str, str]
+                     ) -> list[tuple[list[str], dict[str, str]]]:
+    """Each of `count` replicas' flags and environment: REPLICA replaced by its index. ValueError when replicas
+    would share a value only one process may hold (a fixed --metrics-port, one --step-log)."""
+    settings = [([flag.replace(REPLICA, str(r)) for flag in flags],
+                 {var: value.replace(REPLICA, str(r)) for var, value in env.items()}) for r in range(count)]
+    if count > 1:
+        for flag in _OWN_FLAGS:
+            values = [_flag_value(own, flag) for own, _ in settings]
+            if values[0] is not None and values[0] != "0" and len(set(values)) < count:
+                raise ValueError(f"{count} {name} replicas would share {flag} {values[0]}: put {REPLICA} in its "
+                                 f"value, e.g. {flag}={_example(flag)}, so each replica has its own")
+    return settings
+
+
+def _flag_value(flags: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (as `--flag VALUE` or `--flag=VALUE`), or None."""
+    value = None
+    for i, item in enumerate(flags):
+        if item == flag and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif item.startswith(flag + "="):
+            value = item[len(flag) + 1:]
+    return value
+
+
+def _example(flag: str) -> str:
+    return "910" + REPLICA if flag == "--metrics-port" else "steps-" + REPLICA + ".jsonl"
+
+
 @contextlib.contextmanager
 def launched(model: Path, names: tuple[str, ...] = SERVICES, flags: dict[str, list[str]] | None = None,
-             mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[dict[str, ServiceProcess]]:
+             mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
+             replicas: dict[str, int] | None = None) -> Iterator[dict[str, list[ServiceProcess]]]:
     """Start the services (they load in parallel) with their extra `flags` (name -> flags) and environment
-    variables `envs` (name -> variables, over this process's own), yield name -> process, and always stop them.
-    With `mps` they share the GPU through an MPS daemon started for them first and stopped after them (see
-    orchestrator.mps)."""
+    variables `envs` (name -> variables, over this process's own), `replicas[name]` processes of a service (default
+    one; REPLICA in its flags and variables becomes each one's index), yield name -> its processes, and always
+    stop them. With `mps` they share the GPU through an MPS daemon started for them first and stopped after them
+    (see orchestrator.mps)."""
+    try:
+        settings = {name: replica_settings(name, (replicas or {}).get(name, 1), (flags or {}).get(name, []),
+                                           (envs or {}).get(name, {})) for name in names}
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     with contextlib.ExitStack() as stack:
         try:
             daemon = stack.enter_context(mps_daemon()) if mps else {}
         except MpsError as exc:
             raise LaunchError(str(exc)) from None
-        children: dict[str, ServiceProcess] = {}
+        children: dict[str, list[ServiceProcess]] = {}
+        started: list[ServiceProcess] = []
         try:
             for name in names:
-                env = {**daemon, **(envs or {}).get(name, {})}
-                children[name] = spawn_service(name, model, (flags or {}).get(name), env=env)
-            wait_ready(list(children.values()))
+                for extra, env in settings[name]:
+                    started.append(spawn_service(name, model, extra, env={**daemon, **env}))
+                    children.setdefault(name, []).append(started[-1])
+            wait_ready(started)
             yield children
         finally:
-            stop(list(children.values()))
+            stop(started)
 
 
 def pid_alive(pid: int) -> bool:

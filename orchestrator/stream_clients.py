@@ -30,6 +30,7 @@ from orchestrator.clients import (
     GrpcSpeech,
     LocalLanguageSession,
     LocalSpeech,
+    PromptCodes,
 )
 from orchestrator.pending import Pending
 from orchestrator.timeline import LanguageClient, SpeechClient, SpeechInfo
@@ -155,9 +156,7 @@ class GrpcCodecStream:
 class GrpcCodecStreams:
     def __init__(self, address: str, deadlines: Deadlines | None = None):
         self.channel = Channel("codec", address, codec_pb2_grpc.CodecServiceStub, deadlines)
-
-    def prompt_codes(self, frames: int) -> np.ndarray:
-        return from_proto_np(self.channel.unary("PromptCodes", codec_pb2.PromptCodesRequest(frames=frames)).codes)
+        self.prompt_codes = PromptCodes(self.channel)
 
     def open_stream(self) -> GrpcCodecStream:
         return GrpcCodecStream(self.channel)
@@ -347,7 +346,8 @@ class LocalEngines:
 @contextlib.contextmanager
 def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
                     deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
-                    mps: bool = False, envs: dict[str, dict[str, str]] | None = None) -> Iterator[StreamClients]:
+                    mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
+                    replicas: dict[str, int] | None = None) -> Iterator[StreamClients]:
     """Stream clients to the four services: started here as children (the default), already running
     (`services`), or the engines in this process. Call from the main thread (children die with it)."""
     from orchestrator.connect import serving
@@ -359,7 +359,7 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_p
         finally:
             engines.close()
         return
-    with serving(model, services, flags, mps, envs) as addresses:
+    with serving(model, services, flags, mps, envs, replicas) as addresses:
         clients = grpc_stream_clients(addresses, deadlines)
         try:
             yield clients

@@ -125,12 +125,12 @@ def test_a_service_killed_mid_stream_is_named_and_nothing_hangs(tiny_checkpoint,
     wave = golden["waveform"]
     config = VoiceChatConfig.load(tiny_checkpoint)
     with launched(tiny_checkpoint) as children:
-        clients = grpc_stream_clients({name: child.address for name, child in children.items()})
+        clients = grpc_stream_clients({name: child.address for name, (child,) in children.items()})
         try:
             session = OnlineSession(clients, config, TextDecoder(tiny_checkpoint, config), pipelined=pipelined)
             session.push_audio(wave[: 1280 * 3])
             session.drain()
-            os.kill(children["tts"].process.pid, signal.SIGKILL)
+            os.kill(children["tts"][0].process.pid, signal.SIGKILL)
             killed_at = time.monotonic()
             with pytest.raises(ServiceError, match="tts"):
                 session.push_audio(wave[1280 * 3 :])

@@ -14,9 +14,9 @@ def _parsed(pid: int, model: Path):
 
 def test_launched_services_bound_their_buffer_cache_unless_told_otherwise(tiny_checkpoint):
     with launched(tiny_checkpoint, names=("codec",)) as children:
-        assert _parsed(children["codec"].process.pid, tiny_checkpoint).cache_limit_mb == SHARED_CACHE_LIMIT_MB
+        assert _parsed(children["codec"][0].process.pid, tiny_checkpoint).cache_limit_mb == SHARED_CACHE_LIMIT_MB
     with launched(tiny_checkpoint, names=("codec",), flags={"codec": ["--cache-limit-mb", "100"]}) as children:
-        assert _parsed(children["codec"].process.pid, tiny_checkpoint).cache_limit_mb == 100
+        assert _parsed(children["codec"][0].process.pid, tiny_checkpoint).cache_limit_mb == 100
 
 
 def _environment(pid: int) -> dict[str, str]:
@@ -29,7 +29,7 @@ def test_launched_services_get_their_own_environment_variables_over_this_process
     monkeypatch.setenv("VOICECHAT_KEPT", "parent")
     envs = {"codec": {"VOICECHAT_PROBE": "a=b", "VOICECHAT_NEW": ""}, "llm": {"VOICECHAT_PROBE": "llm"}}
     with launched(tiny_checkpoint, names=("codec",), envs=envs) as children:
-        env = _environment(children["codec"].process.pid)
+        env = _environment(children["codec"][0].process.pid)
     assert (env["VOICECHAT_PROBE"], env["VOICECHAT_NEW"], env["VOICECHAT_KEPT"]) == ("a=b", "", "parent")
     with launched(tiny_checkpoint, names=("codec",)) as children:
-        assert _environment(children["codec"].process.pid)["VOICECHAT_PROBE"] == "parent"
+        assert _environment(children["codec"][0].process.pid)["VOICECHAT_PROBE"] == "parent"

@@ -66,7 +66,7 @@ def test_without_the_program_the_error_names_it_and_what_to_do(monkeypatch, tmp_
 
 def test_launched_services_run_with_the_daemons_pipe_directory(fake_control, tiny_checkpoint):
     with launched(tiny_checkpoint, names=("codec",), mps=True) as children:
-        environ = Path(f"/proc/{children['codec'].process.pid}/environ").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{children['codec'][0].process.pid}/environ").read_bytes().split(b"\0")
         pipe = fake_control.read_text().split()[1]
         assert f"{PIPE_ENV}={pipe}".encode() in environ
     assert fake_control.read_text().splitlines()[-1] == f"command {pipe} quit"  # after the service stopped
