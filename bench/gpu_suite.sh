@@ -12,7 +12,7 @@
 #   sweep      the stages again under each of SWEEP's MLX settings (';'-separated sets of VAR=VALUE): how MLX's
 #              CUDA backend groups a frame's kernels into graphs (MLX_MAX_OPS_PER_BUFFER, default 20 a graph;
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
-#   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc; the language model
+#   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc --host-split; the language model
 #              as stored, in bf16, in bf16 with --float32-weights, and with --split-matmuls too; perception
 #              and speech as stored, with --float32-weights, and with --split-matmuls too)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
@@ -110,22 +110,22 @@ fi
 if wants engines; then
   for name in perception tts codec; do
     step "engine-$name" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" --frames 25 \
-      --warmup 5 --no-grpc
+      --warmup 5 --no-grpc --host-split
   done
   for name in perception tts; do
     step "engine-$name-float32" "$py" -m bench.service "$name" --model "$model" --sessions "1,$sessions" \
-      --frames 25 --warmup 5 --no-grpc --float32-weights
+      --frames 25 --warmup 5 --no-grpc --host-split --float32-weights
     [ $cuda = 1 ] && step "engine-$name-split" "$py" -m bench.service "$name" --model "$model" \
-      --sessions "1,$sessions" --frames 25 --warmup 5 --no-grpc --float32-weights --split-matmuls
+      --sessions "1,$sessions" --frames 25 --warmup 5 --no-grpc --host-split --float32-weights --split-matmuls
   done
   step engine-llm "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 --warmup 5 \
-    --no-grpc
+    --no-grpc --host-split
   step engine-llm-bf16 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
-    --warmup 5 --no-grpc --weights-dtype bfloat16
+    --warmup 5 --no-grpc --host-split --weights-dtype bfloat16
   step engine-llm-bf16-float32 "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
-    --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights
+    --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights
   [ $cuda = 1 ] && step engine-llm-bf16-split "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
-    --warmup 5 --no-grpc --weights-dtype bfloat16 --float32-weights --split-matmuls
+    --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights --split-matmuls
 fi
 if wants rtf && [ -n "$reference" ]; then
   # shellcheck disable=SC2086  # a list of flags

@@ -3,7 +3,7 @@
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
-                            [--partial N] [--json]
+                            [--partial N] [--host-split] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -16,12 +16,18 @@ queueing cost. A service the bench starts has the batch sizes it will see compil
 --partial N (in-process, with --no-grpc) has every third step leave N of the K sessions out, other ones each
 time, as a live service's batch does when some sessions' frames are late: the table then splits the steps into
 full ones after a full one, partial ones, and full ones after a partial one.
+
+--host-split (in-process) reports where a step's time goes on the host, medians per K: building its graph in
+Python, launching it (`mx.async_eval`, which on a GPU returns once every kernel is queued), waiting for the
+device, and the engine thread's CPU time. A step whose thread CPU time is its wall time is bound by the host,
+not the device: on a GPU such a step costs about the same for one session as for many.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -140,12 +146,15 @@ def stepping(k: int, partial: int, index: int) -> list[int]:
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
                llm_weights_dtype: str | None = None, float32_weights: bool = False,
-               split_matmuls: bool = False, partial: int = 0) -> dict[int, dict]:
+               split_matmuls: bool = False, partial: int = 0, host_split: bool = False) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path), with `partial` of them left out of every third
     step (`stepping`). The engine first precompiles the batch sizes up to the largest K, as a service this bench
-    starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step}."""
+    starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step; with
+    `host_split` the medians of where a step's time goes on the host (`host_times`)}."""
     import mlx.core as mx
+
+    from bench.stages import EvalSplit
 
     rng = np.random.default_rng(0)
     if name == "perception":
@@ -184,25 +193,35 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     engine.precompile(max(sessions))
     report = {}
     done: dict[int, int] = {}  # frames each session has stepped (the codec's frame index)
+    split = EvalSplit()
     for k in sessions:
         live = [open_one() for _ in range(k)]
         done.update((id(s), 0) for s in live)
         latencies, kinds, frames_stepped, previous = [], [], 0, k
-        for index in range(frames + warmup):
-            members = [live[b] for b in stepping(k, partial, index)]
-            start = time.perf_counter()
-            errors = [r for r in batch(members) if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
-            for s in members:
-                done[id(s)] += 1
-            if index >= warmup:
-                latencies.append((time.perf_counter() - start) * 1000.0)
-                frames_stepped += len(members)
-                kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
-            previous = len(members)
+        host: list[tuple[float, float, float, float]] = []  # per step: Python, launch, wait, thread CPU (ms)
+        with split if host_split else contextlib.nullcontext():
+            for index in range(frames + warmup):
+                members = [live[b] for b in stepping(k, partial, index)]
+                split.take()
+                start, cpu = time.perf_counter(), time.thread_time()
+                errors = [r for r in batch(members) if isinstance(r, BaseException)]
+                wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
+                if errors:
+                    raise errors[0]
+                for s in members:
+                    done[id(s)] += 1
+                if index >= warmup:
+                    latencies.append(wall_ms)
+                    frames_stepped += len(members)
+                    kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
+                    launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
+                    host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
+                previous = len(members)
         report[k] = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
                      "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+        if host_split:
+            report[k]["host_times"] = {name: percentile([step[i] for step in host], 0.5) for i, name in
+                                       enumerate(("python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"))}
         if partial:
             for kind in ("full", "partial", "after_partial"):
                 picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
@@ -264,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partial", type=int, default=0, metavar="N",
                         help="in-process (--no-grpc): leave N of the K sessions out of every third step, and time "
                              "full, partial and after-partial steps apart")
+    parser.add_argument("--host-split", action="store_true",
+                        help="in-process (--no-grpc): where a step's time goes on the host, medians of: building "
+                             "its graph in Python, launching it (mx.async_eval: on a GPU every kernel queued), "
+                             "waiting for the device, and the engine thread's CPU time")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
@@ -273,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--float32-weights: the codec service has no such option")
     if args.split_matmuls and args.service == "codec":
         parser.error("--split-matmuls: the codec service has no such option")
+    if args.host_split and args.grpc:
+        parser.error("--host-split: needs --no-grpc (it times the engine in this process)")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
     config = VoiceChatConfig.load(args.model)
@@ -304,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if child is not None:
             stop([child])
     local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
-                        args.float32_weights, args.split_matmuls, args.partial) if args.in_process else {})
+                        args.float32_weights, args.split_matmuls, args.partial, args.host_split)
+             if args.in_process else {})
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
     if not args.grpc:
         rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]
@@ -319,14 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.service} {where}: {args.frames} frames per session after {args.warmup} warm-up")
     if not args.grpc:
         kinds = ("full", "partial", "after_partial") if args.partial else ()
+        host = ("Python", "launch", "device wait", "thread CPU") if args.host_split else ()
         print("| sessions | in-process frames/s | in-process p50 / p95 ms |"
-              + "".join(f" {kind.replace('_', ' ')}: steps, p50 / p95 ms |" for kind in kinds))
-        print("| --- | --- | --- |" + " --- |" * len(kinds))
+              + "".join(f" {kind.replace('_', ' ')}: steps, p50 / p95 ms |" for kind in kinds)
+              + "".join(f" {name} p50 ms |" for name in host))
+        print("| --- | --- | --- |" + " --- |" * (len(kinds) + len(host)))
         for row in rows:
             p = row["in_process"]
             split = "".join(f" {p[kind]['steps']}, {_ms(p[kind])} |" for kind in kinds)
+            times = "".join(f" {ms:.2f} |" for ms in p["host_times"].values()) if host else ""
             print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
-                  f"{p['latency_p95_ms']:.2f} |{split}")
+                  f"{p['latency_p95_ms']:.2f} |{split}{times}")
         return 0
     print("| sessions | mean batch | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | "
           "in-process p50 / p95 ms | transport p50 ms |")

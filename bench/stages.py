@@ -67,6 +67,39 @@ def _is_read(args: tuple, only_mlx: bool) -> bool:
     return not only_mlx or bool(args and isinstance(args[0], mx.array))
 
 
+class EvalSplit(_Patches):
+    """Splits the time of every `mx.eval` made while it is installed (`with EvalSplit() as split:`) in two: the
+    `mx.async_eval` of its arrays (the graph walked and, on a GPU, every kernel launched: host work) and the wait
+    for the device after it. `take()` gives the seconds of each since the last take. What a step spends outside
+    both is its graph's building in Python (and host reads of arrays already evaluated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launch_s = self.wait_s = 0.0
+
+    def __enter__(self) -> EvalSplit:
+        def wrapper(original):
+            launch = mx.async_eval
+
+            def split(*args):
+                start = time.perf_counter()
+                launch(*args)
+                launched = time.perf_counter()
+                original(*args)
+                self.launch_s += launched - start
+                self.wait_s += time.perf_counter() - launched
+            return split
+
+        self._wrap(mx, "eval", wrapper)
+        return self
+
+    def take(self) -> tuple[float, float]:
+        """(launch seconds, wait seconds) since the last take, then reset."""
+        taken = (self.launch_s, self.wait_s)
+        self.launch_s = self.wait_s = 0.0
+        return taken
+
+
 class SyncCounter(_Patches):
     """Counts the host synchronisations made while it is installed (`with SyncCounter() as counter:`).
 

@@ -82,6 +82,37 @@ def test_service_bench_partial_needs_the_in_process_side_and_fewer_than_the_sess
             service.main(["codec", "--model", str(tiny_checkpoint), *bad])
 
 
+def test_service_bench_splits_a_steps_host_time(tiny_checkpoint, capsys):
+    report = service.in_process("codec", tiny_checkpoint, VoiceChatConfig.load(tiny_checkpoint), [2], 3, 1,
+                                host_split=True)[2]
+    times = report["host_times"]
+    assert list(times) == ["python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"]
+    assert times["launch_ms"] > 0 and times["wait_ms"] >= 0 and times["python_ms"] >= 0
+    assert times["thread_cpu_ms"] > 0
+    assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1,2", "--frames", "2",
+                         "--warmup", "1", "--no-grpc", "--host-split"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("| Python p50 ms | launch p50 ms | device wait p50 ms | thread CPU p50 ms |")
+    assert [line.split(" | ")[0] for line in lines[3:]] == ["| 1", "| 2"]
+    assert all(len(line.split(" | ")) == 7 for line in lines[3:])
+    with pytest.raises(SystemExit):
+        service.main(["codec", "--model", str(tiny_checkpoint), "--host-split"])
+
+
+def test_eval_split_times_both_halves_of_an_evaluation_and_puts_eval_back():
+    import mlx.core as mx
+
+    original = mx.eval
+    with stages.EvalSplit() as split:
+        assert mx.eval is not original
+        x = mx.random.normal((256, 256))
+        mx.eval(x @ x)
+        launch, wait = split.take()
+        assert launch > 0 and wait >= 0
+        assert split.take() == (0.0, 0.0)  # reset by the take
+    assert mx.eval is original
+
+
 def test_stage_bench_counts_kernels_per_stage(tiny_checkpoint, capsys):
     assert stages.main(["--model", str(tiny_checkpoint), "--frames", "2", "--warmup", "1", "--count-kernels",
                         "--json"]) == 0
