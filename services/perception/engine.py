@@ -117,8 +117,11 @@ class RowSources:
         self._rows: dict[int, tuple[mx.array, mx.array, int]] = {}  # id(row) -> (row, batched, index)
 
     def split(self, batched: mx.array, squeeze: bool = False) -> list[mx.array]:
-        # views: an integer index (batched[b]) would be a gather, one copy per row
-        rows = [batched[b : b + 1].squeeze(0) if squeeze else batched[b : b + 1] for b in range(batched.shape[0])]
+        # views, made in one call (half the host time of a slice per row, which a step of 16 sessions on the full
+        # encoder makes some 800 times); an integer index (batched[b]) would be a gather, one copy per row
+        rows = mx.split(batched, batched.shape[0], axis=0)
+        if squeeze:
+            rows = [row.squeeze(0) for row in rows]
         for b, row in enumerate(rows):
             self._rows[id(row)] = (row, batched, b)
         return rows
