@@ -36,7 +36,7 @@
 # COUNTS ("SESSIONS 1"): the live step's numbers of conversations, each run at every pace.
 # REPLICAS (none): the live step's services started as several processes, e.g. "perception=2 tts=2"
 # (`--replicas`, up to 9 each here); each replica keeps its own step log (steps-NAME-R.jsonl) and metrics
-# port (91R<n>).
+# port (91R<n>), and compiles at load the batch sizes up to its share of the SESSIONS.
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -153,8 +153,10 @@ for entry in "${metrics[@]}"; do
   if [ "$count" = 1 ]; then
     serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name.jsonl"
     steps_of="$steps_of --steps $name=$out/steps-$name.jsonl"
-  else
+  else  # round robin gives each replica its share of the sessions: only those batch sizes compiled at load
     serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name-{replica}.jsonl"
+    share=$(( (sessions + count - 1) / count ))
+    [ -z "${SERVE_FLAGS:-}" ] && serve_flags="$serve_flags --service-flags $name=--precompile-batches=$share"
   fi
   for r in $(seq 0 $((count - 1))); do
     ports+=("91$r${entry#*=}")
