@@ -122,8 +122,9 @@ def stop(children: list[ServiceProcess], grace_s: float = 5.0) -> None:
 # In a replica's flags and environment values, this becomes the replica's index (0, 1, ...): what each replica
 # needs for itself, such as its own --step-log file or --metrics-port.
 REPLICA = "{replica}"
-# Flags whose value no two processes can share: a port binds once, and a step log written by several is garbled.
-_OWN_FLAGS = ("--metrics-port", "--step-log")
+# Flags whose value two replicas cannot share: a port binds once (0 picks a free one each), and one step log
+# would mix the replicas' steps into what reads as one engine's.
+_OWN_FLAGS = ("--port", "--metrics-port", "--step-log")
 
 
 def grpc_target(replicas: list[ServiceProcess]) -> str:
@@ -137,7 +138,7 @@ def grpc_target(replicas: list[ServiceProcess]) -> str:
 def replica_settings(name: str, count: int, flags: list[str], env: dict[str, str]
                      ) -> list[tuple[list[str], dict[str, str]]]:
     """Each of `count` replicas' flags and environment: REPLICA replaced by its index. ValueError when replicas
-    would share a value only one process may hold (a fixed --metrics-port, one --step-log)."""
+    would share a value only one process may hold (a fixed --port or --metrics-port, one --step-log)."""
     settings = [([flag.replace(REPLICA, str(r)) for flag in flags],
                  {var: value.replace(REPLICA, str(r)) for var, value in env.items()}) for r in range(count)]
     if count > 1:
@@ -161,7 +162,7 @@ def _flag_value(flags: list[str], flag: str) -> str | None:
 
 
 def _example(flag: str) -> str:
-    return "910" + REPLICA if flag == "--metrics-port" else "steps-" + REPLICA + ".jsonl"
+    return "steps-" + REPLICA + ".jsonl" if flag == "--step-log" else "910" + REPLICA
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def test_each_replica_gets_its_index_in_its_flags_and_environment():
     assert [env for _, env in settings] == [{"TAG": f"r{r}", "KEEP": "same"} for r in range(3)]
 
 
-@pytest.mark.parametrize("flags", [["--metrics-port", "9101"], ["--metrics-port=9101"],
+@pytest.mark.parametrize("flags", [["--metrics-port", "9101"], ["--metrics-port=9101"], ["--port=50051"],
                                    ["--step-log=/tmp/steps.jsonl"], ["--step-log", "/tmp/steps.jsonl"]])
 def test_replicas_that_would_share_a_port_or_a_step_log_are_refused(flags):
     flag = flags[0].split("=")[0]
@@ -43,7 +43,8 @@ def test_replicas_that_would_share_a_port_or_a_step_log_are_refused(flags):
 
 
 def test_a_free_port_for_each_replica_needs_no_index():
-    assert replica_settings("codec", 2, ["--metrics-port", "0"], {}) == [(["--metrics-port", "0"], {})] * 2
+    flags = ["--metrics-port", "0", "--port=0"]
+    assert replica_settings("codec", 2, flags, {}) == [(flags, {})] * 2
 
 
 def test_the_target_is_the_one_address_or_a_list_of_them():
