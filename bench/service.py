@@ -202,7 +202,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
         with split if host_split else contextlib.nullcontext():
             for index in range(frames + warmup):
                 members = [live[b] for b in stepping(k, partial, index)]
-                split.take()
+                split.take()  # what the step before (a warm-up one, say) left
                 start, cpu = time.perf_counter(), time.thread_time()
                 errors = [r for r in batch(members) if isinstance(r, BaseException)]
                 wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
@@ -214,8 +214,9 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                     latencies.append(wall_ms)
                     frames_stepped += len(members)
                     kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
-                    launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
-                    host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
+                    if host_split:
+                        launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
+                        host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
                 previous = len(members)
         report[k] = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
                      "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
