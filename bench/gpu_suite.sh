@@ -55,6 +55,10 @@ cuda=0  # the language model's split matmuls, in the live run and the engines st
 for name in perception tts; do
   [ $cuda = 1 ] && batched="$batched --service-env $name=MLX_USE_CUDA_GRAPHS=0"
 done
+# under MPS (MPS=1), perception's kernels first on the shared GPU: the others' clients below normal priority
+for name in llm tts codec; do
+  [ $cuda = 1 ] && batched="$batched --service-env $name=CUDA_MPS_CLIENT_PRIORITY=1"
+done
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags="${SERVE_FLAGS:-$batched} ${EXTRA_SERVE_FLAGS:-}"
 steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
