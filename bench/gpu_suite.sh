@@ -19,16 +19,19 @@
 #              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
 #              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
 #              service's --step-log)
+#   contention each engine at SESSIONS sessions alone, then beside the other three stepping as many in processes
+#              of their own (bench.contention, the many-conversation configuration; under MPS with MPS=1): how
+#              much of a live step is waiting for the others' work on the shared GPU
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration; EXTRA_SERVE_FLAGS
-# are added to them), STEPS (the steps
-# to run, default "warmup stages sweep engines rtf rtf-flags live": a device call has 10 minutes, so a lease
-# splits them over calls, the checkpoint kept between them), REFERENCE_PYTHON, ONE_FLAGS (default float32
-# weights in the language model, perception and speech), MPS (1: the services of the rtf and live steps share
-# the GPU through an MPS daemon of their own, `--mps`; no device setting changes). MLX settings exported before
+# are added to them), STEPS (the steps to run, default "warmup stages sweep engines contention rtf rtf-flags
+# live": a device call has 10 minutes, so a lease splits them over calls, the checkpoint kept between them),
+# REFERENCE_PYTHON, ONE_FLAGS (default float32 weights in the language model, perception and speech), MPS (1: the
+# processes of the contention, rtf and live steps share the GPU through an MPS daemon of their own, `--mps`; no
+# device setting changes). MLX settings exported before
 # the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
 # conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds). Where
 # nvidia-smi is on PATH, each step's GPU clocks, power, utilization and temperature are sampled every 0.5 s into
@@ -61,7 +64,7 @@ for name in llm tts codec; do
 done
 for name in llm perception tts; do batched="$batched --service-flags $name=--float32-weights"; done
 serve_flags="${SERVE_FLAGS:-$batched} ${EXTRA_SERVE_FLAGS:-}"
-steps=" ${STEPS:-warmup stages sweep engines rtf rtf-flags live} "
+steps=" ${STEPS:-warmup stages sweep engines contention rtf rtf-flags live} "
 sweep="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000"
 sweep=${SWEEP:-"$sweep;MLX_MAX_OPS_PER_BUFFER=400 MLX_CUDA_GRAPH_CACHE_SIZE=1000"}
 reference=${REFERENCE_PYTHON:-}
@@ -130,6 +133,10 @@ if wants engines; then
     --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights
   [ $cuda = 1 ] && step engine-llm-bf16-split "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
     --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights --split-matmuls
+fi
+if wants contention; then
+  # shellcheck disable=SC2086  # $mps is empty or one flag
+  step contention "$py" -m bench.contention --model "$model" --sessions "$sessions" $mps
 fi
 if wants rtf && [ -n "$reference" ]; then
   # shellcheck disable=SC2086  # a list of flags

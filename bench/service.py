@@ -3,7 +3,7 @@
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
-                            [--partial N] [--host-split] [--json]
+                            [--partial N] [--host-split] [--hold] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -21,6 +21,9 @@ full ones after a full one, partial ones, and full ones after a partial one.
 Python, launching it (`mx.async_eval`, which on a GPU returns once every kernel is queued), waiting for the
 device, and the engine thread's CPU time. A step whose thread CPU time is its wall time is bound by the host,
 not the device: on a GPU such a step costs about the same for one session as for many.
+
+--hold (in-process, one K) keeps K sessions stepping until SIGTERM, as load beside another measurement
+(`bench.contention` runs the other engines so while it times one).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +149,70 @@ def stepping(k: int, partial: int, index: int) -> list[int]:
     return [b for b in range(k) if b not in out]
 
 
+class EngineDriver:
+    """One service's engine loaded in this process, stepped with synthetic but valid input: `open()` a session,
+    `step(sessions)` them as one batched call (one session: the solo path)."""
+
+    def __init__(self, name: str, model: Path, config: VoiceChatConfig, llm_weights_dtype: str | None = None,
+                 float32_weights: bool = False, split_matmuls: bool = False) -> None:
+        import mlx.core as mx
+
+        rng = np.random.default_rng(0)
+        self._done: dict[int, int] = {}  # frames each session has stepped (the codec's frame index)
+        if name == "perception":
+            from services.perception.engine import PerceptionEngine
+
+            engine = PerceptionEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
+            self._open = engine.open_stream
+            self._batch = lambda live: engine.push_batch([  # noqa: E731
+                (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
+        elif name == "llm":
+            from services.llm.engine import LanguageEngine
+
+            engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights,
+                                         split_matmuls=split_matmuls)
+            hidden = config.text_config.hidden_size
+            self._open = lambda: engine.open_session("")  # noqa: E731
+            self._batch = lambda live: engine.step_batch([  # noqa: E731
+                (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
+        elif name == "tts":
+            from services.tts.engine import TTSEngine
+
+            engine = TTSEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
+            cb = config.tts_config.codebook_size
+            prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
+            self._open = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
+            vocab = config.text_config.vocab_size
+            self._batch = lambda live: engine.step_batch([  # noqa: E731
+                (s, int(rng.integers(16, vocab))) for s in live])
+        else:
+            from services.codec.engine import CodecEngine
+
+            engine = CodecEngine.load(model)
+            self._open = engine.open_stream
+            q, cb = config.codec_config.num_quantizers, config.codec_config.codebook_size
+            self._batch = lambda live: engine.decode_batch([  # noqa: E731
+                (s, self._done[id(s)], rng.integers(0, cb, q).astype(np.int32)) for s in live])
+        self.engine = engine
+
+    def precompile(self, max_batch: int) -> None:
+        """The batch sizes up to max_batch traced, as a service does at load with --precompile-batches."""
+        self.engine.precompile(max_batch)
+
+    def open(self) -> object:
+        session = self._open()
+        self._done[id(session)] = 0
+        return session
+
+    def step(self, sessions: list) -> None:
+        """One batched step of `sessions`; the first entry's error, if any, is raised."""
+        errors = [r for r in self._batch(sessions) if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        for session in sessions:
+            self._done[id(session)] += 1
+
+
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
                llm_weights_dtype: str | None = None, float32_weights: bool = False,
                split_matmuls: bool = False, partial: int = 0, host_split: bool = False) -> dict[int, dict]:
@@ -152,51 +221,14 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     step (`stepping`). The engine first precompiles the batch sizes up to the largest K, as a service this bench
     starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step; with
     `host_split` the medians of where a step's time goes on the host (`host_times`)}."""
-    import mlx.core as mx
-
     from bench.stages import EvalSplit
 
-    rng = np.random.default_rng(0)
-    if name == "perception":
-        from services.perception.engine import PerceptionEngine
-
-        engine = PerceptionEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
-        open_one = engine.open_stream
-        batch = lambda live: engine.push_batch([  # noqa: E731
-            (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
-    elif name == "llm":
-        from services.llm.engine import LanguageEngine
-
-        engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights,
-                                     split_matmuls=split_matmuls)
-        hidden = config.text_config.hidden_size
-        open_one = lambda: engine.open_session("")  # noqa: E731
-        batch = lambda live: engine.step_batch([  # noqa: E731
-            (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
-    elif name == "tts":
-        from services.tts.engine import TTSEngine
-
-        engine = TTSEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
-        cb = config.tts_config.codebook_size
-        prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
-        open_one = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
-        vocab = config.text_config.vocab_size
-        batch = lambda live: engine.step_batch([(s, int(rng.integers(16, vocab))) for s in live])  # noqa: E731
-    else:
-        from services.codec.engine import CodecEngine
-
-        engine = CodecEngine.load(model)
-        open_one = engine.open_stream
-        q, cb = config.codec_config.num_quantizers, config.codec_config.codebook_size
-        batch = lambda live: engine.decode_batch([  # noqa: E731
-            (s, done[id(s)], rng.integers(0, cb, q).astype(np.int32)) for s in live])
-    engine.precompile(max(sessions))
+    driver = EngineDriver(name, model, config, llm_weights_dtype, float32_weights, split_matmuls)
+    driver.precompile(max(sessions))
     report = {}
-    done: dict[int, int] = {}  # frames each session has stepped (the codec's frame index)
     split = EvalSplit()
     for k in sessions:
-        live = [open_one() for _ in range(k)]
-        done.update((id(s), 0) for s in live)
+        live = [driver.open() for _ in range(k)]
         latencies, kinds, frames_stepped, previous = [], [], 0, k
         host: list[tuple[float, float, float, float]] = []  # per step: Python, launch, wait, thread CPU (ms)
         with split if host_split else contextlib.nullcontext():
@@ -204,12 +236,8 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                 members = [live[b] for b in stepping(k, partial, index)]
                 split.take()  # what the step before (a warm-up one, say) left
                 start, cpu = time.perf_counter(), time.thread_time()
-                errors = [r for r in batch(members) if isinstance(r, BaseException)]
+                driver.step(members)
                 wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
-                if errors:
-                    raise errors[0]
-                for s in members:
-                    done[id(s)] += 1
                 if index >= warmup:
                     latencies.append(wall_ms)
                     frames_stepped += len(members)
@@ -230,6 +258,27 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                                    "p95_ms": percentile(picked, 0.95) if picked else None}
         del live
     return report
+
+
+HOLDING = "holding:"  # the line `hold` prints once its sessions step in their steady state
+
+
+def hold(driver: EngineDriver, sessions: int, frames: int, warmup: int, done: Callable[[], bool]) -> int:
+    """Keep `sessions` sessions stepping together until `done()` says so, as load beside another measurement:
+    the sessions are replaced by fresh ones every `frames` steps, so their caches stay as a `frames`-step
+    run's; after the first `warmup` steps one line starting with HOLDING is printed. Returns the steps run."""
+    driver.precompile(sessions)
+    steps = 0
+    while not done():
+        live = [driver.open() for _ in range(sessions)]
+        for _ in range(frames):
+            driver.step(live)
+            steps += 1
+            if steps == max(warmup, 1):
+                print(f"{HOLDING} {sessions} sessions stepping", flush=True)
+            if done():
+                break
+    return steps
 
 
 def prompt_frames(address: str) -> int:
@@ -288,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process (--no-grpc): where a step's time goes on the host, medians of: building "
                              "its graph in Python, launching it (mx.async_eval: on a GPU every kernel queued), "
                              "waiting for the device, and the engine thread's CPU time")
+    parser.add_argument("--hold", action="store_true",
+                        help="in-process (--no-grpc), one session count: keep its sessions stepping, fresh ones "
+                             "every --frames steps, until SIGTERM or SIGINT, as load beside another measurement "
+                             f"(bench.contention); prints a line starting '{HOLDING}' once past --warmup steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
@@ -301,10 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-split: needs --no-grpc (it times the engine in this process)")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
+    if args.hold and (args.grpc or len(args.sessions) != 1 or args.partial or args.host_split):
+        parser.error("--hold: needs --no-grpc and one session count, and takes neither --partial nor --host-split")
     config = VoiceChatConfig.load(args.model)
+    dtype = None if args.weights_dtype == "stored" else args.weights_dtype
+    if args.hold:
+        return _hold(args, config, dtype)
     child = None
     address = args.address
-    dtype = None if args.weights_dtype == "stored" else args.weights_dtype
     metrics_url = args.metrics_url
     grpc_runs = []
     try:
@@ -368,6 +425,17 @@ def main(argv: list[str] | None = None) -> int:
         batch = f"{g['mean_batch']:.1f}" if "mean_batch" in g else "-"
         print(f"| {row['sessions']} | {batch} | {g['frames_per_second']:.1f} | {g['latency_p50_ms']:.2f} / "
               f"{g['latency_p95_ms']:.2f} | {here} |")
+    return 0
+
+
+def _hold(args: argparse.Namespace, config: VoiceChatConfig, dtype: str | None) -> int:
+    """--hold: step until SIGTERM or SIGINT, then exit 0 with the steps run."""
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    driver = EngineDriver(args.service, args.model, config, dtype, args.float32_weights, args.split_matmuls)
+    steps = hold(driver, args.sessions[0], args.frames, args.warmup, stopping.is_set)
+    print(f"held: {steps} steps of {args.sessions[0]} sessions", flush=True)
     return 0
 
 
