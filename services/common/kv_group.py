@@ -146,18 +146,17 @@ class LayerGroup:
             self.keys, self.values = widened(self.keys, width), widened(self.values, width)
         # in the buffer's dtype, as a member's own slice write stores it (a bf16 prompt keeps bf16 keys)
         k, v = k.astype(self.keys.dtype), v.astype(self.values.dtype)
-        slots = np.repeat([plan.slot for plan in plans], self.per).astype(np.int32)
+        slots = tuple(plan.slot for plan in plans)
         if index is None or list(index) == list(range(len(self.members))):
-            at = mx.array(slots)[:, None, None, None]
+            at = step_index(slots, self.per, "int32")[:, None, None, None]
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, k.shape), k, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, v.shape), v, axis=2)
             for member, plan in zip(self.members, plans, strict=True):
                 member()._advance(plan)
             return self.attend(q, [plan.visible for plan in plans], scale)
-        per = self.per
-        rows = (np.asarray(index, np.uint32)[:, None] * per + np.arange(per, dtype=np.uint32)).reshape(-1)
+        rows, source = member_rows(tuple(index), len(self.members), self.per)
         # every axis indexed by an unsigned array (a slice or signed indices would add conversions and a range)
-        at_rows, at_slots = mx.array(rows)[:, None], mx.array(slots.astype(np.uint32))[:, None]
+        at_rows, at_slots = rows[:, None], step_index(slots, self.per, "uint32")[:, None]
         heads = self._heads()
         self.keys[at_rows, heads, at_slots] = k[:, :, 0, :]
         self.values[at_rows, heads, at_slots] = v[:, :, 0, :]
@@ -165,13 +164,11 @@ class LayerGroup:
             self.members[i]()._advance(plan)
         # the whole buffer attends (a row per group row: the stepping ones' queries, the others' any query), each
         # sitting-out member over the stepping members' widest view, so the attention is as wide as theirs alone
-        source = np.zeros(len(self.members) * per, np.int32)
-        source[rows] = np.arange(rows.shape[0], dtype=np.int32)
         widest = max(plan.visible for plan in plans)
         visible = [widest] * len(self.members)
         for i, plan in zip(index, plans, strict=True):
             visible[i] = plan.visible
-        return self.attend(q[mx.array(source)], visible, scale)[at_rows[:, 0]]
+        return self.attend(q[source], visible, scale)[rows]
 
     def _heads(self) -> mx.array:
         """(1, heads) uint32: the head axis's indices for a scatter into the buffers, made once."""
@@ -195,6 +192,24 @@ def widened(buffer: mx.array, width: int) -> mx.array:
     if buffer.shape[2] == width:
         return buffer
     return mx.pad(buffer, [(0, 0), (0, 0), (0, width - buffer.shape[2]), (0, 0)])
+
+
+# A step's small index arrays are the same in every layer of one kind (the members stepping, their slots): each is
+# built once, not once per layer (on a GPU every array made from host values is a copy to the device).
+@functools.lru_cache(maxsize=16)
+def step_index(slots: tuple[int, ...], per: int, dtype: str) -> mx.array:
+    """(len(slots) * per,) of `dtype`: each member's slot, once for each of its rows."""
+    return mx.array(np.repeat(np.asarray(slots, np.int64), per).astype(dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def member_rows(index: tuple[int, ...], members: int, per: int) -> tuple[mx.array, mx.array]:
+    """The group rows of the members at `index`, in that order (uint32), and for every group row the position of
+    its member's rows among those (int32; 0 for the rows of members not stepping)."""
+    rows = (np.asarray(index, np.uint32)[:, None] * per + np.arange(per, dtype=np.uint32)).reshape(-1)
+    source = np.zeros(members * per, np.int32)
+    source[rows] = np.arange(rows.shape[0], dtype=np.int32)
+    return mx.array(rows), mx.array(source)
 
 
 @functools.lru_cache(maxsize=8)  # the layers of one kind share a step's mask: built once, not per layer

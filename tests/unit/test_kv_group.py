@@ -110,3 +110,31 @@ def test_a_step_of_some_members_adds_gathers_and_scatters_but_no_conversion():
     assert some["Gather"] == full.get("Gather", 0) + 2
     for name in ("AsType", "Arange"):
         assert some[name] == full[name]
+
+
+def test_layers_stepping_the_same_members_share_their_index_arrays():
+    """The layers of one kind step the same members at the same slots: the index arrays (rows, query sources,
+    slots) are made once a step, not once a layer, and each layer still equals its caches' own steps."""
+    from services.common import kv_group
+
+    layers = [_twins(FullCache, [4, 6, 5], seed=11) for _ in range(3)]
+    for grouped, _ in layers:
+        LayerGroup(grouped, PER)
+    rng = np.random.default_rng(12)
+    q, k = _kv(rng, PER * 2, 1)
+    v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+    kv_group.member_rows.cache_clear()
+    kv_group.step_index.cache_clear()
+    for grouped, own in layers:
+        group = grouped[0].group
+        got = group.step(q, k, v, group.plans([0, 2]), SCALE, [0, 2])
+        for j, i in enumerate([0, 2]):
+            rows = slice(j * PER, (j + 1) * PER)
+            want = _own_step(own[i], q[rows], k[rows], v[rows])
+            np.testing.assert_array_equal(np.array(got[rows]), np.array(want))
+            _assert_same_cache(grouped[i], own[i])
+    for made in (kv_group.member_rows, kv_group.step_index):
+        assert made.cache_info().misses == 1 and made.cache_info().hits == len(layers) - 1
+    rows, source = kv_group.member_rows((0, 2), 3, PER)
+    assert np.array(rows).tolist() == [0, 1, 4, 5] and rows.dtype == mx.uint32
+    assert np.array(source).tolist() == [0, 1, 0, 0, 2, 3] and source.dtype == mx.int32
