@@ -8,15 +8,19 @@ over 80 ms) and, per service, its steps in the window: how many, their mean size
 engine (p50/p95/max), how long a formed batch waited for the engine thread, the gaps between one step's end and
 the next one's start, and the share of the window the engine was busy. A service busy nearly all the window
 bounds the run; step times that spread widely at one batch size point at the device being shared. Then, per
-service, its partial steps (fewer sessions than the run's conversations): how many, and the median step of a
-full batch, of a partial one and of a full batch right after a partial one. A partial step or the full one after
-it much slower than a full batch means a change of the batch's sessions costs the engine (caches re-stacked).
+service, its partial steps (fewer sessions than it holds): how many, and the median step of a full batch, of a
+partial one and of a full batch right after a partial one. A partial step or the full one after it much slower
+than a full batch means a change of the batch's sessions costs the engine (caches re-stacked). A service holds
+every conversation, except replicas: names NAME-0, NAME-1, ... (as `bench/gpu_suite.sh` gives them) are the
+replicas of NAME, and round robin gives each its share of the conversations (`replica_shares`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -57,16 +61,37 @@ def service_row(steps: list[dict], start: float, end: float, full: int | None = 
     return row
 
 
+_REPLICA = re.compile(r"^(.+)-(\d+)$")
+
+
+def replica_shares(steps: dict[str, list[dict]], conversations: int) -> dict[str, int]:
+    """The sessions each service holds: every conversation, or for replicas (two or more names NAME-R of one
+    NAME) its round-robin share, conversations // replicas or one more. Which replicas took the extra ones is not
+    known beforehand: a replica whose largest step held the larger share holds it."""
+    bases = collections.Counter(m.group(1) for name in steps if (m := _REPLICA.match(name)))
+    shares = {}
+    for name, rows in steps.items():
+        m = _REPLICA.match(name)
+        count = bases[m.group(1)] if m else 1
+        if count < 2:
+            shares[name] = conversations
+            continue
+        low, high = conversations // count, -(-conversations // count)
+        shares[name] = high if max((s["size"] for s in rows), default=0) >= high else low
+    return shares
+
+
 def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0) -> dict:
     start = timeline["start_monotonic"]
     end = start + timeline["wall_s"]
     intervals = intervals_ms([c["arrivals_s"] for c in timeline["conversations"]], settle_frames)
+    shares = replica_shares(steps, len(timeline["conversations"]))
     return {
         "window_s": timeline["wall_s"],
         "clients": {"conversations": len(timeline["conversations"]), "intervals": len(intervals),
                     "interval_ms": _spread(intervals),
                     "over_frame": sum(1 for i in intervals if i > FRAME_MS)},
-        "services": {name: service_row(rows, start, end, len(timeline["conversations"]))
+        "services": {name: {**service_row(rows, start, end, shares[name]), "holds": shares[name]}
                      for name, rows in steps.items()},
     }
 
@@ -89,12 +114,12 @@ def print_report(r: dict) -> None:
         print(f"| {name} | {row['steps']} | {size} | {_ms(s['p50'])} / {_ms(s['p95'])} / {_ms(s['max'])} | "
               f"{_ms(q['p50'])} / {_ms(q['p95'])} | {_ms(g['p50'])} / {_ms(g['p95'])} | {busy} |")
     print()
-    print(f"| service | partial steps (under {c['conversations']}) "
-          "| step p50 ms: full / partial / full after a partial |")
+    print("| service | partial steps (under the sessions it holds) | step p50 ms: full / partial / full after a "
+          "partial |")
     print("| --- | --- | --- |")
     for name, row in r["services"].items():
-        print(f"| {name} | {row['partial']} | {_ms(row['full_step_ms']['p50'])} / {_ms(row['partial_step_ms']['p50'])}"
-              f" / {_ms(row['after_partial_ms']['p50'])} |")
+        print(f"| {name} | {row['partial']} (under {row['holds']}) | {_ms(row['full_step_ms']['p50'])} / "
+              f"{_ms(row['partial_step_ms']['p50'])} / {_ms(row['after_partial_ms']['p50'])} |")
 
 
 def _named(value: str) -> tuple[str, Path]:

@@ -106,7 +106,7 @@ def test_the_timeline_report_lines_up_client_intervals_with_service_steps(tmp_pa
     assert tts["partial_step_ms"]["p50"] is None and tts["after_partial_ms"]["p50"] is None
     assert report.main([str(path), "--steps", f"tts={steps}"]) == 0
     out = capsys.readouterr().out
-    assert "| tts | 3 | 3.0 | 40.00 / " in out and "| tts | 0 | 40.00 / - / - |" in out
+    assert "| tts | 3 | 3.0 | 40.00 / " in out and "| tts | 0 (under 2) | 40.00 / - / - |" in out
     # three conversations: the step of 2 is partial, the step of 4 the full one right after it
     conversations = json.loads(path.read_text())
     conversations["conversations"].append({"transport": "grpc", "first_sent_s": 0.0, "arrivals_s": [0.5]})
@@ -117,3 +117,24 @@ def test_the_timeline_report_lines_up_client_intervals_with_service_steps(tmp_pa
     assert tts["after_partial_ms"]["p50"] == pytest.approx(40.0) and tts["full_step_ms"]["p50"] == pytest.approx(50.0)
     with pytest.raises(SystemExit):  # a --steps value that is not NAME=PATH
         report.main([str(path), "--steps", "tts"])
+
+
+def test_replicas_partial_steps_count_against_their_share_of_the_conversations():
+    from bench import timeline as report
+
+    def steps(*sizes: int) -> list[dict]:
+        return [{"formed": 0.0, "start": 0.0, "end": 0.01, "size": size} for size in sizes]
+
+    named = {"perception-0": steps(8, 7, 8), "perception-1": steps(8, 8), "llm": steps(16), "tts-0": steps(16),
+             "codec-1": steps(3, 2), "codec-2": steps(2, 1), "codec-3": steps(1)}
+    # 16 conversations: two perception replicas hold 8 each; llm and a lone "tts-0" hold every conversation; three
+    # codec replicas hold 6 or 5, and none of their steps here held 6: each is taken to hold 5
+    assert report.replica_shares(named, 16) == {"perception-0": 8, "perception-1": 8, "llm": 16, "tts-0": 16,
+                                                "codec-1": 5, "codec-2": 5, "codec-3": 5}
+    # 7 conversations: the codec's replicas hold 3, 2 and 2 (3 where a step held 3); perception's, 4 each
+    shares = report.replica_shares(named, 7)
+    assert [shares[f"codec-{r}"] for r in (1, 2, 3)] == [3, 2, 2] and shares["perception-0"] == 4
+    r = report.report({"wall_s": 1.0, "start_monotonic": 0.0,
+                       "conversations": [{"arrivals_s": []} for _ in range(16)]}, named)
+    assert r["services"]["perception-0"]["holds"] == 8 and r["services"]["perception-0"]["partial"] == 1
+    assert r["services"]["perception-1"]["partial"] == 0 and r["services"]["llm"]["partial"] == 0
