@@ -11,6 +11,7 @@ No gRPC here; all calls of one engine must come from one thread (MLX evaluation 
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from collections.abc import Sequence
@@ -103,6 +104,13 @@ def _checked_samples(samples: np.ndarray | mx.array, sample_rate_hz: int, expect
     return arr.astype(np.float32, copy=False)
 
 
+@functools.lru_cache(maxsize=8)
+def take_index(index: tuple[int, ...]) -> mx.array:
+    """`index` as an int32 array, made once for the many cache arrays a step gathers in the same order (on a GPU
+    every array made from host values is a copy to the device)."""
+    return mx.array(index, dtype=mx.int32)
+
+
 class RowSources:
     """Which batched array each per-session cache row is a slice of, so the next batched step gathers the
     rows back with one copy per source array and one take, rather than one copy per session.
@@ -144,7 +152,7 @@ class RowSources:
         stacked = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=0)
         if index == list(range(stacked.shape[0])):
             return stacked
-        return stacked[mx.array(index, dtype=mx.int32)]
+        return stacked[take_index(tuple(index))]
 
     def keep(self, held: set[int]) -> None:
         """Forget every row whose id is not in `held` (the rows the live sessions still hold)."""

@@ -239,6 +239,22 @@ def test_row_sources_give_back_the_batched_array_or_one_take():
     assert sources.gather([rows[1]]) is rows[1]  # forgotten: the row is its own source
 
 
+def test_the_gathers_of_one_step_share_their_index_array(engine):
+    """A step of some sessions, and the full step after it, gather every cache array (one per layer and kind)
+    in the same order: that order's index array is made once a step, not once per array."""
+    from services.perception import engine as engine_module
+
+    audio = [_audio(engine, k) for k in range(3)]
+    streams = [engine.open_stream() for _ in audio]
+    for f in range(FRAMES - 3):
+        engine.push_batch([(s, _frame(engine, a, f)) for s, a in zip(streams, audio, strict=True)])
+    for members, f in (([1, 2], FRAMES - 3), ([0, 1, 2], FRAMES - 2)):
+        engine_module.take_index.cache_clear()
+        engine.push_batch([(streams[b], _frame(engine, audio[b], f)) for b in members])
+        made = engine_module.take_index.cache_info()
+        assert made.hits >= 4 and made.misses <= 2, made  # one or two orders for every layer's caches
+
+
 def test_begin_batch_builds_each_sessions_solo_proposal():
     """Fresh sessions (blank token, no LSTM state) and started ones in one batch propose what each would alone."""
     rng = np.random.default_rng(0)
