@@ -159,6 +159,7 @@ class EngineDriver:
 
         rng = np.random.default_rng(0)
         self._done: dict[int, int] = {}  # frames each session has stepped (the codec's frame index)
+        self._close: Callable[[object], None] = lambda session: None  # the other engines keep nothing of a session
         if name == "perception":
             from services.perception.engine import PerceptionEngine
 
@@ -173,6 +174,7 @@ class EngineDriver:
                                          split_matmuls=split_matmuls)
             hidden = config.text_config.hidden_size
             self._open = lambda: engine.open_session("")  # noqa: E731
+            self._close = engine.close_session  # its pools hold the sessions' stacked states until closed
             self._batch = lambda live: engine.step_batch([  # noqa: E731
                 (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
         elif name == "tts":
@@ -211,6 +213,12 @@ class EngineDriver:
             raise errors[0]
         for session in sessions:
             self._done[id(session)] += 1
+
+    def close(self, sessions: list) -> None:
+        """Done with `sessions`: what the engine holds of them is freed."""
+        for session in sessions:
+            self._close(session)
+            self._done.pop(id(session), None)
 
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
@@ -256,7 +264,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                 picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
                 report[k][kind] = {"steps": len(picked), "p50_ms": percentile(picked, 0.5) if picked else None,
                                    "p95_ms": percentile(picked, 0.95) if picked else None}
-        del live
+        driver.close(live)
     return report
 
 
@@ -265,8 +273,9 @@ HOLDING = "holding:"  # the line `hold` prints once its sessions step in their s
 
 def hold(driver: EngineDriver, sessions: int, frames: int, warmup: int, done: Callable[[], bool]) -> int:
     """Keep `sessions` sessions stepping together until `done()` says so, as load beside another measurement:
-    the sessions are replaced by fresh ones every `frames` steps, so their caches stay as a `frames`-step
-    run's; after the first `warmup` steps one line starting with HOLDING is printed. Returns the steps run."""
+    the sessions are replaced by fresh ones (the old ones closed) every `frames` steps, so their caches stay as a
+    `frames`-step run's; after the first `warmup` steps one line starting with HOLDING is printed. Returns the
+    steps run."""
     driver.precompile(sessions)
     steps = 0
     while not done():
@@ -278,6 +287,7 @@ def hold(driver: EngineDriver, sessions: int, frames: int, warmup: int, done: Ca
                 print(f"{HOLDING} {sessions} sessions stepping", flush=True)
             if done():
                 break
+        driver.close(live)
     return steps
 
 

@@ -73,6 +73,19 @@ def test_hold_replaces_its_sessions_every_frames_steps_until_told_to_stop(tiny_c
     assert capsys.readouterr().out == f"{service.HOLDING} 2 sessions stepping\n"  # once, after the warm-up
 
 
+def test_hold_closes_the_sessions_it_replaces(tiny_checkpoint):
+    """The language engine keeps each session (and its pool of stacked states) until it is closed: a holder
+    replacing its sessions must close them, or it would grow without bound."""
+    driver = service.EngineDriver("llm", tiny_checkpoint, VoiceChatConfig.load(tiny_checkpoint))
+    opened = []
+    driver_open = driver.open
+    driver.open = lambda: opened.append(driver_open()) or opened[-1]
+    # two steps of a first pair, two of a second, then one of a third, whose opening made six
+    assert service.hold(driver, 2, frames=2, warmup=1, done=lambda: len(opened) >= 6) == 5
+    assert len(opened) == 6 and all(session.closed for session in opened)
+    assert driver.engine._sessions == {} and driver._done == {}
+
+
 def test_a_holder_process_steps_until_sigterm_and_exits_cleanly(tiny_checkpoint):
     proc = subprocess.Popen([sys.executable, "-m", "bench.service", "codec", "--model", str(tiny_checkpoint),
                              "--sessions", "2", "--frames", "2", "--warmup", "1", "--no-grpc", "--hold"],
