@@ -348,14 +348,18 @@ class LanguageEngine:
     # ---- several sessions' steps at once --------------------------------------------------------------------
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
-        """Feed `steps` batched prompt rows, then run `steps` batched steps, at every batch size 1..max_batch on
-        throwaway sessions opened the way a streaming session is (bf16 prompt prefix, fed a row per batch), each
-        size's batch followed by one step of all but one of it (the step over all its rows that leaves one
+        """Feed `steps` batched prompt rows (then one row of all but one of them, over all their rows), then run
+        `steps` batched steps, at every batch size 1..max_batch on throwaway sessions opened the way a streaming
+        session is (bf16 prompt prefix, fed a row per batch), each size's batch followed by one step of all but
+        one of it (the step over all its rows that leaves one
         session's states as they are), then one step of some of the last batch's sessions at each size below it
-        (their stacked states and caches kept, as when some sessions' frames are not due), so the compiled
-        pieces of each size are traced (and, on a GPU, their kernels built) before a client's frame waits for
-        them. Leaves no session open."""
-        prompt = [self.model.bos_id, *[self.model.eos_id] * (min(steps * max_batch + 2, self.max_prompt_tokens) - 1)]
+        (their stacked states and caches kept, as when some sessions' frames are not due), then at each size
+        from 2 up a first step of sessions fresh from their prompts (whose states still hold the prompt rows'
+        dtype: sessions opening together take their first step so), so the compiled pieces of each size are
+        traced (and, on a GPU, their kernels built) before a client's frame waits for them. Leaves no session
+        open."""
+        rows = min((steps + 1) * max_batch + 2, self.max_prompt_tokens)
+        prompt = [self.model.bos_id, *[self.model.eos_id] * (rows - 1)]
         sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
         try:
@@ -364,6 +368,8 @@ class LanguageEngine:
                 for _ in range(steps):
                     if all(s.prompt_pending for s in sessions[:size]):  # a short --max-prompt-tokens runs out
                         raise_first(self.prefill_batch(sessions[:size]))
+                if size - 1 >= max(2, MASKED_SHARE * size) and all(s.prompt_pending for s in sessions[:size]):
+                    raise_first(self.prefill_batch(sessions[: size - 1]))  # a prompt row over all `size` rows
             while any(s.prompt_pending for s in sessions):
                 raise_first(self.prefill_batch([s for s in sessions if s.prompt_pending]))
             audio = mx.zeros((self.model.hidden_size,), mx.float32)
@@ -374,6 +380,14 @@ class LanguageEngine:
                     raise_first(self.step_batch([(s, audio, False, None) for s in sessions[: size - 1]]))
             for size in range(max_batch - 1, 1, -1):  # some of the last batch's sessions: its stacks kept
                 raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
+            for size in range(2, max_batch + 1):
+                fresh = [self.open_session(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16",
+                                           prefill=False) for _ in range(size)]
+                sessions += fresh
+                raise_first(self.prefill_batch(fresh))
+                raise_first(self.step_batch([(s, audio, False, None) for s in fresh]))
+                for session in fresh:
+                    self.close_session(session)
         finally:
             for session in sessions:
                 self.close_session(session)

@@ -419,12 +419,19 @@ def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, m
     steps = [c for c in calls if c[1]]  # the steps; prompt rows come first
     # At each size the newest session's first step is solo (its conv tails are bf16 from the prompt until its
     # first float32 step), so size k's first batch is of k - 1 (at size 2 both step alone); then all k, then
-    # all but one over all k rows.
+    # all but one over all k rows. Last, at each size from 2, a first step of sessions all fresh from their
+    # prompts (bf16 conv tails in every row), as sessions opening together take it.
     assert steps == [(2, True, None)] * 2 + [(3, True, None), (3, True, [0, 1])] \
         + [(3, True, None), (4, True, None), (4, True, [0, 1, 2])] \
         + [(4, True, None), (5, True, None), (5, True, [0, 1, 2, 3])] \
-        + [(5, True, [0, 1, 2, 3]), (5, True, [0, 1, 2]), (2, True, None)]  # four, three and two of the five
+        + [(5, True, [0, 1, 2, 3]), (5, True, [0, 1, 2]), (2, True, None)] \
+        + [(2, True, None), (3, True, None), (4, True, None), (5, True, None)]
     assert written[-1:] == [(5, [0, 1])]  # two of five: their rows taken and written back
+    # the prompt rows: each size's two rows (one row alone at size 1), then a row of all but one of them over all
+    # their rows; the rows left are fed after
+    rows = [c for c in calls if not c[1]]
+    assert rows[:11] == [(2, False, None)] * 2 + [(3, False, None)] * 2 + [(3, False, [0, 1])] \
+        + [(4, False, None)] * 2 + [(4, False, [0, 1, 2])] + [(5, False, None)] * 2 + [(5, False, [0, 1, 2, 3])]
     assert not engine._pools and not engine.live_sessions
 
 
@@ -485,3 +492,50 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
     for session in sessions[:5]:
         engine.close_session(session)
     assert not engine._pools and not engine.live_sessions
+
+
+@pytest.mark.parametrize("weights", ["stored", "bfloat16"])
+def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_nothing(tiny_checkpoint, monkeypatch,
+                                                                                     weights):
+    """Every compiled piece a live service runs is traced at load: after `precompile`, sessions opening at
+    different ticks, feeding their prompts and stepping in seeded random subsets (first steps of sessions fresh
+    from their prompts, prompt rows over a pool's rows, sessions leaving) trace no piece again. On a GPU a piece
+    traced under a live session stalls it, for seconds on a machine whose kernel cache is empty."""
+    import random
+
+    traces = []
+    compile_ = mx.compile
+
+    def counting(fn, *args, **kwargs):
+        def traced(*a, **k):
+            traces.append(getattr(fn, "__qualname__", repr(fn)))
+            return fn(*a, **k)
+        return compile_(traced, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "compile", counting)
+    engine = LanguageEngine.load(tiny_checkpoint, weights_dtype=None if weights == "stored" else weights,
+                                 float32_weights=True)
+    engine.precompile(6)
+    assert traces  # the pieces were traced at load, through the counting compile
+    traces.clear()
+    rng = random.Random(7)
+    audio = mx.zeros((engine.model.hidden_size,), mx.float32)
+    live = []
+    for tick in range(50):
+        if len(live) < 6 and rng.random() < 0.3:
+            live.append(engine.open_session("Be concise." * rng.randint(1, 3), prefix_dtype="bfloat16",
+                                            prefill=False))
+        due = [s for s in live if rng.random() < 0.8] or live[:1]
+        pending = [s for s in due if s.prompt_pending]
+        ready = [s for s in due if not s.prompt_pending]
+        if pending:
+            assert not any(engine.prefill_batch(pending))
+        if ready:
+            results = engine.step_batch([(s, audio, False, None) for s in ready])
+            assert not any(isinstance(r, Exception) for r in results)
+        assert traces == [], f"tick {tick}: {len(pending)} prompt rows and {len(ready)} steps of {len(live)} traced"
+        if live and rng.random() < 0.05:
+            engine.close_session(live.pop(rng.randrange(len(live))))
+    assert len(live) >= 4  # the schedule did reach batches of several sessions
+    for session in live:
+        engine.close_session(session)
