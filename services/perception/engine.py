@@ -244,7 +244,8 @@ class PerceptionEngine:
 
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Push quiet noise through throwaway streams: `steps` batched pushes at every batch size 1..max_batch
-        while their attention caches fill (the padded step), again once they are full (the plain step), so each
+        while their attention caches fill (the padded step), again once they are full (the plain step), then at
+        every size from 2 the pushes of streams opened together while their encoder windows still grow, so each
         size's compiled steps are traced (and, on a GPU, their kernels built) before a client's frame waits for
         them. The streams are dropped after."""
         noise = np.random.default_rng(0)
@@ -263,6 +264,16 @@ class PerceptionEngine:
                     push(streams[:size])
             while not all(stream.encoder.caches_full for stream in streams):
                 push(streams)
+        for size in range(2, max_batch + 1):  # streams opening together: their young windows batched
+            fresh = [self.open_stream() for _ in range(size)]
+            for stream in fresh:
+                while not stream.batchable:
+                    stream.push(frame())
+            while True:  # until the subsampling window's mel cache stops growing
+                held = fresh[0].encoder.mel_cache.shape[1]
+                push(fresh)
+                if fresh[0].encoder.mel_cache.shape[1] == held:
+                    break
 
     def push_batch(
         self, frames: Sequence[tuple[PerceptionStream, mx.array | np.ndarray]]

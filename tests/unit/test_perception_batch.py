@@ -319,3 +319,46 @@ def test_a_filling_session_padded_as_on_a_gpu_equals_its_plain_pushes_bit_for_bi
                     plain.encoder.attn_caches + plain.encoder.conv_caches, strict=True):
         assert a.shape == b.shape
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["cpu-paths", "gpu-paths"])
+def test_after_precompile_streams_opening_and_pushing_in_any_subsets_trace_nothing(tiny_checkpoint, monkeypatch,
+                                                                                   padded):
+    """Every compiled step a live service runs is traced at load: after `precompile`, streams opening at
+    different ticks and pushing in seeded random subsets (young streams' growing windows batched together,
+    filling and full caches mixed, streams leaving) trace no step again. On a GPU (the padded steps of filling
+    caches, forced here) a step traced under a live session stalls it."""
+    import random
+
+    from services.perception import streaming
+
+    traces = []
+    compile_ = mx.compile
+
+    def counting(fn, *args, **kwargs):
+        def traced(*a, **k):
+            traces.append(getattr(fn, "__qualname__", repr(fn)))
+            return fn(*a, **k)
+        return compile_(traced, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "compile", counting)
+    monkeypatch.setattr(streaming, "pad_while_filling", lambda: padded)
+    engine = PerceptionEngine.load(tiny_checkpoint)
+    engine.precompile(5)
+    assert traces  # the steps were traced at load, through the counting compile
+    traces.clear()
+    rng = random.Random(3)
+    noise = np.random.default_rng(4)
+    live = []
+    for tick in range(40):
+        if len(live) < 5 and rng.random() < 0.35:
+            live.append(engine.open_stream())
+        due = [s for s in live if rng.random() < 0.8] or live[:1]
+        if due:
+            results = engine.push_batch([(s, (0.1 * noise.standard_normal(engine.frame_samples)).astype(np.float32))
+                                         for s in due])
+            assert not any(isinstance(r, Exception) for r in results)
+        assert traces == [], f"tick {tick}: a push of {len(due)} of {len(live)} streams traced"
+        if live and rng.random() < 0.05:
+            live.pop(rng.randrange(len(live)))
+    assert len(live) >= 4  # the schedule did reach batches of several streams
