@@ -40,6 +40,25 @@ def tinymix_checkpoint(tmp_path_factory) -> Path:
     return _build(tmp_path_factory, "tinymix", mixed_bits=True)
 
 
+@pytest.fixture
+def compile_traces(monkeypatch) -> list[str]:
+    """The name of every function `mx.compile` traces from now on (compiled functions made after this fixture
+    count each trace, not each call): a test that expects no tracing asserts the list stays empty."""
+    import mlx.core as mx
+
+    traces: list[str] = []
+    compile_ = mx.compile
+
+    def counting(fn, *args, **kwargs):
+        def traced(*a, **k):
+            traces.append(getattr(fn, "__qualname__", repr(fn)))
+            return fn(*a, **k)
+        return compile_(traced, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "compile", counting)
+    return traces
+
+
 def load_golden(name: str) -> tuple[np.lib.npyio.NpzFile, dict]:
     """A golden's arrays and its `meta` JSON; a missing file is an error (the goldens are in git)."""
     data = np.load(GOLDEN / f"{name}.npz")

@@ -495,24 +495,15 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
 
 
 @pytest.mark.parametrize("weights", ["stored", "bfloat16"])
-def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_nothing(tiny_checkpoint, monkeypatch,
-                                                                                     weights):
+def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_nothing(tiny_checkpoint,
+                                                                                     compile_traces, weights):
     """Every compiled piece a live service runs is traced at load: after `precompile`, sessions opening at
     different ticks, feeding their prompts and stepping in seeded random subsets (first steps of sessions fresh
     from their prompts, prompt rows over a pool's rows, sessions leaving) trace no piece again. On a GPU a piece
     traced under a live session stalls it, for seconds on a machine whose kernel cache is empty."""
     import random
 
-    traces = []
-    compile_ = mx.compile
-
-    def counting(fn, *args, **kwargs):
-        def traced(*a, **k):
-            traces.append(getattr(fn, "__qualname__", repr(fn)))
-            return fn(*a, **k)
-        return compile_(traced, *args, **kwargs)
-
-    monkeypatch.setattr(mx, "compile", counting)
+    traces = compile_traces
     engine = LanguageEngine.load(tiny_checkpoint, weights_dtype=None if weights == "stored" else weights,
                                  float32_weights=True)
     engine.precompile(6)

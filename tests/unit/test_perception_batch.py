@@ -323,7 +323,7 @@ def test_a_filling_session_padded_as_on_a_gpu_equals_its_plain_pushes_bit_for_bi
 
 @pytest.mark.parametrize("padded", [False, True], ids=["cpu-paths", "gpu-paths"])
 def test_after_precompile_streams_opening_and_pushing_in_any_subsets_trace_nothing(tiny_checkpoint, monkeypatch,
-                                                                                   padded):
+                                                                                   compile_traces, padded):
     """Every compiled step a live service runs is traced at load: after `precompile`, streams opening at
     different ticks and pushing in seeded random subsets (young streams' growing windows batched together,
     filling and full caches mixed, streams leaving) trace no step again. On a GPU (the padded steps of filling
@@ -332,16 +332,7 @@ def test_after_precompile_streams_opening_and_pushing_in_any_subsets_trace_nothi
 
     from services.perception import streaming
 
-    traces = []
-    compile_ = mx.compile
-
-    def counting(fn, *args, **kwargs):
-        def traced(*a, **k):
-            traces.append(getattr(fn, "__qualname__", repr(fn)))
-            return fn(*a, **k)
-        return compile_(traced, *args, **kwargs)
-
-    monkeypatch.setattr(mx, "compile", counting)
+    traces = compile_traces
     monkeypatch.setattr(streaming, "pad_while_filling", lambda: padded)
     engine = PerceptionEngine.load(tiny_checkpoint)
     engine.precompile(5)
