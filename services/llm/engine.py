@@ -351,9 +351,9 @@ class LanguageEngine:
         """Feed `steps` batched prompt rows (then one row of all but one of them, over all their rows), then run
         `steps` batched steps, at every batch size 1..max_batch on throwaway sessions opened the way a streaming
         session is (bf16 prompt prefix, fed a row per batch), each size's batch followed by one step of all but
-        one of it (the step over all its rows that leaves one
-        session's states as they are), then one step of some of the last batch's sessions at each size below it
-        (their stacked states and caches kept, as when some sessions' frames are not due), then at each size
+        one of it (the step over all its rows that leaves one session's states as they are), then one step of
+        some of the last batch's sessions at each size below it (their stacked states and caches kept, as when
+        some sessions' frames are not due), then at each size
         from 2 up a first step of sessions fresh from their prompts (whose states still hold the prompt rows'
         dtype: sessions opening together take their first step so), so the compiled pieces of each size are
         traced (and, on a GPU, their kernels built) before a client's frame waits for them. Leaves no session

@@ -250,14 +250,19 @@ class PerceptionEngine:
         them. The streams are dropped after."""
         noise = np.random.default_rng(0)
         frame = lambda: (1e-3 * noise.standard_normal(self.frame_samples)).astype(np.float32)  # noqa: E731
-        streams = [self.open_stream() for _ in range(max_batch)]
 
         def push(some: list[PerceptionStream]) -> None:
             raise_first(self.push_batch([(stream, frame()) for stream in some]))
 
-        for stream in streams:
-            while not stream.batchable:
-                stream.push(frame())
+        def opened(count: int) -> list[PerceptionStream]:
+            """`count` new streams, each past its first push (alone): the next one can join a batch."""
+            streams = [self.open_stream() for _ in range(count)]
+            for stream in streams:
+                while not stream.batchable:
+                    stream.push(frame())
+            return streams
+
+        streams = opened(max_batch)
         for _ in range(2):  # caches filling, then full
             for size in range(1, max_batch + 1):
                 for _ in range(steps):
@@ -265,10 +270,7 @@ class PerceptionEngine:
             while not all(stream.encoder.caches_full for stream in streams):
                 push(streams)
         for size in range(2, max_batch + 1):  # streams opening together: their young windows batched
-            fresh = [self.open_stream() for _ in range(size)]
-            for stream in fresh:
-                while not stream.batchable:
-                    stream.push(frame())
+            fresh = opened(size)
             while True:  # until the subsampling window's mel cache stops growing
                 held = fresh[0].encoder.mel_cache.shape[1]
                 push(fresh)
