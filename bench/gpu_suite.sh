@@ -14,7 +14,9 @@
 #              MLX_CUDA_GRAPH_CACHE_SIZE) or launches them without graphs (MLX_USE_CUDA_GRAPHS=0)
 #   engines    each engine alone at 1 and SESSIONS sessions (bench.service --no-grpc --host-split; the language model
 #              as stored, in bf16, in bf16 with --float32-weights, and with --split-matmuls too; perception
-#              and speech as stored, with --float32-weights, and with --split-matmuls too)
+#              and speech as stored, with --float32-weights, and with --split-matmuls too); on CUDA also
+#              the language model's float32 x bf16 products at 1 and SESSIONS rows, the split-matmul kernel
+#              against cuBLAS's float32 GEMM, shape by shape, with their accuracy (bench.matmuls)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
 #              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
 #              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
@@ -133,6 +135,7 @@ if wants engines; then
     --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights
   [ $cuda = 1 ] && step engine-llm-bf16-split "$py" -m bench.service llm --model "$model" --sessions "1,$sessions" --frames 25 \
     --warmup 5 --no-grpc --host-split --weights-dtype bfloat16 --float32-weights --split-matmuls
+  [ $cuda = 1 ] && step matmuls "$py" -m bench.matmuls --model "$model" --rows "1,$sessions"
 fi
 if wants contention; then
   # shellcheck disable=SC2086  # $mps is empty or one flag

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
-from bench import service, stages
+from bench import matmuls, service, stages
+from services.common import split_matmul
 from services.common.config import VoiceChatConfig
 
 
@@ -218,3 +220,33 @@ def test_perception_bench_times_a_push_whole_and_in_parts(tiny_checkpoint, capsy
     assert report["symbols_per_frame"] >= 0
     kernels = report["kernels_per_frame"]
     assert set(kernels) == set(perception.PARTS) and all(k > 0 for k in kernels.values())
+
+
+def test_matmul_bench_times_every_routed_shape_and_checks_it(tiny_checkpoint, capsys, monkeypatch):
+    calls = []
+
+    def stand_in(x, w):  # the CUDA kernel's product, computed here in float32
+        calls.append(x.shape[0])
+        return x @ w.astype(mx.float32).T
+
+    monkeypatch.setattr(split_matmul, "available", lambda: True)
+    monkeypatch.setattr(split_matmul, "split_matmul", stand_in)
+    counts, _ = matmuls.routed_shapes(tiny_checkpoint)
+    assert sum(counts.values()) > 5
+    assert matmuls.main(["--model", str(tiny_checkpoint), "--rows", "3,1", "--repeats", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows"] == [1, 3] and set(result["step_ms"]) == {"kernel", "float32"}
+    assert {(e["n"], e["k"]): e["count"] for e in result["shapes"]} == dict(counts)
+    for e in result["shapes"]:
+        assert e["error"]["kernel"] < 1e-5 and set(e["ms"]["kernel"]) == {"1", "3"}
+    step = result["step_ms"]["kernel"]["3"]
+    assert step == pytest.approx(sum(e["count"] * e["ms"]["kernel"]["3"] for e in result["shapes"]))
+    assert {1, 3} <= set(calls)
+    lines = matmuls.table(result).splitlines()
+    assert len(lines) == 2 + len(result["shapes"]) + 1 and lines[-1].startswith("| one step | ")
+
+
+def test_matmul_bench_needs_a_cuda_device(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(split_matmul, "available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA"):
+        matmuls.main(["--model", str(tiny_checkpoint)])

@@ -175,6 +175,20 @@ def test_speech_routes_its_float32_projections_through_the_kernel(tiny_checkpoin
             np.testing.assert_array_equal(y, x)
 
 
+def test_the_layout_splits_k_by_the_weights_shape_alone():
+    # the language model's shapes: 64 columns a warp, split along K towards 1024 warps, in whole 64-wide blocks
+    assert split_matmul.plan(131072, 4480, 16) == split_matmul.Plan(splits=1, row_tiles=2, warps=2048)
+    assert split_matmul.plan(22656, 4480, 16).splits == 3  # 354 warps
+    assert split_matmul.plan(4480, 15680, 16).splits == 15  # 70 warps
+    assert split_matmul.plan(1024, 4480, 16).splits == 64  # 16 warps, 70 blocks of K
+    assert split_matmul.plan(48, 32, 1).splits == 1  # K shorter than one block: all of it in the last range
+    for n, k in ((131072, 4480), (4480, 10240), (144, 64), (256, 4496)):
+        plans = [split_matmul.plan(n, k, rows) for rows in (1, 3, 8, 9, 16, 40)]
+        assert {p.splits for p in plans} == {plans[0].splits}  # the rows never change a row's sums
+        assert [p.rows for p in plans] == [8, 8, 8, 16, 16, 16]
+        assert plans[0].blocks * split_matmul.BLOCK_WARPS * split_matmul.WARP_COLUMNS >= n
+
+
 def test_the_kernel_refuses_inputs_it_was_not_built_for():
     with pytest.raises(ValueError, match="multiples of 16"):
         split_matmul.split_matmul(_array(2, 32), _array(40, 32, dtype=mx.bfloat16))
@@ -183,9 +197,13 @@ def test_the_kernel_refuses_inputs_it_was_not_built_for():
 
 
 @cuda
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 32), (3, 144, 64), (16, 272, 512), (21, 256, 4480),
-                                               (40, 1024, 128)])
-def test_the_split_product_has_float32_accuracy_against_float64(rows, n, k):
+@pytest.mark.parametrize(("rows", "n", "k", "one_range"), [
+    (1, 48, 32, False), (3, 144, 64, False), (16, 272, 512, False), (21, 256, 4480, False), (40, 1024, 128, False),
+    (9, 4480, 10240 + 48, False), (16, 256, 8960, True), (5, 512, 4480 + 16, True)])
+def test_the_split_product_has_float32_accuracy_against_float64(rows, n, k, one_range, monkeypatch):
+    if one_range:  # all of K in one range, as the widest weights (the language heads) take it
+        monkeypatch.setattr(split_matmul, "TARGET_WARPS", 1)
+        assert split_matmul.plan(n, k, rows).splits == 1
     x = _array(2, rows, k, scale=4.0)
     weight = _array(n, k, dtype=mx.bfloat16, scale=0.05)
     y = split_matmul.split_matmul(x, weight)
