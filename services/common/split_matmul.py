@@ -152,17 +152,18 @@ _MATMUL_SOURCE = """
         for (int j = 0; j < 4; ++j)
             #pragma unroll
             for (int tt = 0; tt < T; ++tt) {
-                const uint4& lo_g = wv[tt][0][j >> 1];
-                const uint4& lo_h = wv[tt][1][j >> 1];
-                const unsigned a0 = (j & 1) ? lo_g.z : lo_g.x;
-                const unsigned a2 = (j & 1) ? lo_g.w : lo_g.y;
-                const unsigned a1 = (j & 1) ? lo_h.z : lo_h.x;
-                const unsigned a3 = (j & 1) ? lo_h.w : lo_h.y;
+                // the A registers: rows g and g + 8 at the step's first pair of k, then at its second
+                const uint4& row_g = wv[tt][0][j >> 1];
+                const uint4& row_h = wv[tt][1][j >> 1];
+                const unsigned g0 = (j & 1) ? row_g.z : row_g.x;
+                const unsigned h0 = (j & 1) ? row_h.z : row_h.x;
+                const unsigned g1 = (j & 1) ? row_g.w : row_g.y;
+                const unsigned h1 = (j & 1) ? row_h.w : row_h.y;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
                     for (int q = 0; q < 3; ++q)
-                        mma_bf16(block[tt][nt], a0, a1, a2, a3, xb[nt][j][q][0], xb[nt][j][q][1]);
+                        mma_bf16(block[tt][nt], g0, h0, g1, h1, xb[nt][j][q][0], xb[nt][j][q][1]);
             }
         #pragma unroll
         for (int tt = 0; tt < T; ++tt)
@@ -171,7 +172,8 @@ _MATMUL_SOURCE = """
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[tt][nt][i] += block[tt][nt][i];
     }
-    // what K leaves past its 64-wide blocks, in 16-wide steps (the last range's): lane t holds elements 4 t .. 4 t + 3
+    // what K leaves past its 64-wide blocks, in 16-wide steps (the last range's): lane t holds elements
+    // 4 t .. 4 t + 3 of each step
     if (s == gridDim.y - 1) {
         for (int k16 = blocks << 6; k16 < K; k16 += 16) {
             const int k = k16 + (t << 2);
