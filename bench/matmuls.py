@@ -35,22 +35,13 @@ Product = Callable[[mx.array, mx.array], mx.array]
 def routed_shapes(model: Path) -> tuple[Counter, dict[tuple[int, int], mx.array]]:
     """How many routed projections of each (N, K) the language model has, and one weight of each shape."""
     engine = LanguageEngine.load(model, weights_dtype="bfloat16", split_matmuls=True)
-    found = [m for m in _linears([engine.model.backbone, engine.model.lm_head, engine.model.function_head])
+    found = [m for m in layers.linears([engine.model.backbone, engine.model.lm_head, engine.model.function_head])
              if m.split]
     counts = Counter(tuple(m.weight.shape) for m in found)
     weights = {}
     for m in found:
         weights.setdefault(tuple(m.weight.shape), m.weight)
     return counts, weights
-
-
-def _linears(modules: list) -> list[layers.Linear]:
-    out = []
-    for module in modules:
-        if isinstance(module, layers.Linear):
-            out.append(module)
-        out += _linears(layers._children(module))
-    return out
 
 
 def timed(product: Product, x: mx.array, weight: mx.array, repeats: int) -> float:

@@ -229,13 +229,18 @@ def split_matmuls(module: object) -> int:
     """Have every dense Linear under `module` whose weight `split_matmul` supports (bf16, both sides multiples
     of 16) take float32 inputs through it; returns how many do. Call it before `widen`, which then leaves those
     weights in bf16. Inputs of any other dtype compute as before."""
-    count = 0
-    if isinstance(module, Linear) and module.spec is None and split_matmul.supports(module.weight):
-        module.split = True
-        count += 1
+    routed = [m for m in linears(module) if m.spec is None and split_matmul.supports(m.weight)]
+    for layer in routed:
+        layer.split = True
+    return len(routed)
+
+
+def linears(module: object) -> list[Linear]:
+    """Every Linear under `module` (itself included), in the order its fields and items hold them."""
+    found = [module] if isinstance(module, Linear) else []
     for child in _children(module):
-        count += split_matmuls(child)
-    return count
+        found += linears(child)
+    return found
 
 
 def _children(module: object) -> list[object]:

@@ -1,5 +1,6 @@
 """Projections: several projections of one input joined into one matmul give each layer's own output."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -8,7 +9,7 @@ import pytest
 
 from services.common.checkpoint import Weights
 from services.common.config import QuantSpec
-from services.common.layers import Linear, Projections
+from services.common.layers import Linear, Projections, linears
 
 RNG = np.random.default_rng(0)
 
@@ -138,3 +139,16 @@ def test_widened_norms_compute_as_before_for_float32_and_narrow_inputs():
             for name in getattr(wide, "WIDEN", ("weight", "bias")):
                 setattr(wide, name, getattr(wide, name).astype(mx.bfloat16))
             widen(wide, mx.float32, kinds)
+
+
+def test_linears_finds_every_layer_under_fields_and_items_in_order():
+    @dataclasses.dataclass
+    class Block:
+        first: Linear
+        rest: list
+        other: object = None
+
+    layers = [Linear(mx.zeros((2, 2))) for _ in range(4)]
+    model = [Block(layers[0], [layers[1], (layers[2],)], other="not a layer"), layers[3], mx.zeros((1,))]
+    assert [id(x) for x in linears(model)] == [id(x) for x in layers]
+    assert [id(x) for x in linears(layers[0])] == [id(layers[0])] and linears(mx.zeros((2,))) == []

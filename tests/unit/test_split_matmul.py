@@ -95,7 +95,7 @@ def test_a_mixed_bit_checkpoint_routes_only_its_dense_projections(tinymix_checkp
     monkeypatch.setattr(split_matmul, "available", lambda: True)  # nothing runs: routing is decided at load
     engine = PerceptionEngine.load(tinymix_checkpoint, split_matmuls=True)
     modules = [engine.encoder, engine.proj, engine.rnnt.joint]
-    everything = _linears(modules)
+    everything = layers.linears(modules)
     dense = [m for m in everything if m.spec is None and split_matmul.supports(m.weight)]
     assert 0 < len(dense) < len(everything)  # the map keeps a few perception layers dense
     assert [m for m in everything if m.split] == dense
@@ -110,17 +110,8 @@ def _float32_product(calls):
     return kernel
 
 
-def _linears(modules) -> list[Linear]:
-    found = []
-    for module in modules:
-        if isinstance(module, Linear):
-            found.append(module)
-        found += _linears(layers._children(module))
-    return found
-
-
 def _split_linears(modules) -> list[Linear]:
-    return [m for m in _linears(modules) if m.split]
+    return [m for m in layers.linears(modules) if m.split]
 
 
 def _perception_frames(engine, frames):
