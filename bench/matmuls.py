@@ -8,7 +8,7 @@ one product by `split_matmul` (`repeats` independent calls queued at once, so la
 by cuBLAS's float32 GEMM on a float32 copy of the weight, and, with `--against TREE`, by the `split_matmul` of
 another checkout (side by side in one run); the weight's read rate; and, at the largest row count, each one's
 largest error against a float64 product (over the first `CHECK_COLUMNS` columns, relative to their largest
-value) and whether a row's result alone equals its result in the batch, bit for bit. The step's total weighs
+value) and whether the first and the last row alone equal their results in the batch, bit for bit. The step's total weighs
 each shape by how many projections have it: one frame step's products, one after another.
 """
 
@@ -56,7 +56,7 @@ def timed(product: Product, x: mx.array, weight: mx.array, repeats: int) -> floa
 
 def accuracy(product: Product, x: mx.array, weight: mx.array) -> tuple[float, bool]:
     """Largest error against float64 over the first CHECK_COLUMNS columns (relative to their largest value),
-    and whether each row alone gives its batch result bit for bit."""
+    and whether the first and the last row alone give their batch results bit for bit."""
     y = np.array(product(x, weight))[:, :CHECK_COLUMNS]
     cols = np.array(weight[:CHECK_COLUMNS].astype(mx.float32)).astype(np.float64)
     exact = np.array(x).astype(np.float64) @ cols.T
