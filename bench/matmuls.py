@@ -8,8 +8,8 @@ one product by `split_matmul` (`repeats` independent calls queued at once, so la
 by cuBLAS's float32 GEMM on a float32 copy of the weight, and, with `--against TREE`, by the `split_matmul` of
 another checkout (side by side in one run); the weight's read rate; and, at the largest row count, each one's
 largest error against a float64 product (over the first `CHECK_COLUMNS` columns, relative to their largest
-value) and whether the first and the last row alone equal their results in the batch, bit for bit. The step's total weighs
-each shape by how many projections have it: one frame step's products, one after another.
+value) and whether the first and the last row alone equal their results in the batch, bit for bit. The step's
+total weighs each shape by how many projections have it: one frame step's products, one after another.
 """
 
 from __future__ import annotations
