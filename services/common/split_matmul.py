@@ -59,9 +59,6 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ unsigned bf16_bits(float v) {
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
 // four float32 values -> their three bf16 parts, each as two packed pairs (lower index in the low half)
 __device__ __forceinline__ void split_parts(float4 v, unsigned (&p)[3][2]) {
     const float e[4] = {v.x, v.y, v.z, v.w};
@@ -71,9 +68,10 @@ __device__ __forceinline__ void split_parts(float4 v, unsigned (&p)[3][2]) {
         const __nv_bfloat16 hi = __float2bfloat16_rn(e[i]);
         const float rest = e[i] - __bfloat162float(hi);
         const __nv_bfloat16 mid = __float2bfloat16_rn(rest);
+        const __nv_bfloat16 lo = __float2bfloat16_rn(rest - __bfloat162float(mid));
         bits[0][i] = __bfloat16_as_ushort(hi);
         bits[1][i] = __bfloat16_as_ushort(mid);
-        bits[2][i] = bf16_bits(rest - __bfloat162float(mid));
+        bits[2][i] = __bfloat16_as_ushort(lo);
     }
     #pragma unroll
     for (int q = 0; q < 3; ++q) {
