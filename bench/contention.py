@@ -2,15 +2,17 @@
 four services share one GPU.
 
     python -m bench.contention --model DIR [--engines perception,llm,tts,codec] [--beside NAME,...]
-                               [--sessions 16] [--frames 25] [--warmup 5] [--mps] [--json]
+                               [--sessions 16] [--frames 25] [--warmup 5] [--mps] [--kernels] [--json]
 
 For each engine of --engines, its step at --sessions sessions is timed alone (`bench.service NAME --no-grpc
 --host-split`, in a process of its own), then again while the --beside engines (default: the other three) each
 keep as many sessions stepping in a process of their own (`bench.service NAME --hold`). Both are split as
 `--host-split` splits them: building the graph in Python, launching it, waiting for the device. An engine whose
 wait grows beside the others is waiting for their kernels on a shared GPU; one whose Python or launch time grows
-is short of host. With --mps every process shares the GPU through an MPS daemon of its own, as `orchestrator
-serve --mps` runs the services.
+is short of host. With --kernels (a GPU host with PyTorch) every measured step's kernels are recorded too
+(`bench.service --kernels`): the GPU time the engine's kernels take a step, alone and beside the others, and
+their count; the recording itself costs host time, so the steps' wall times then read high. With --mps every
+process shares the GPU through an MPS daemon of its own, as `orchestrator serve --mps` runs the services.
 
 Every engine runs with the many-conversation configuration's flags and environment (`configuration`): the
 language model in bf16 with float32 copies, perception and speech with float32 copies; on CUDA the language
@@ -36,6 +38,7 @@ from bench.service import HOLDING, SERVICES
 
 READY_TIMEOUT_S = 900.0  # a holder's load, precompile and warm-up (minutes on a fresh GPU machine)
 RUN_TIMEOUT_S = 900.0  # one measured run, its load included
+TOP_KERNELS = 5  # with --kernels, the costliest kernels each measured run names (in --json's output)
 
 
 class ContentionError(RuntimeError):
@@ -65,9 +68,11 @@ def service_command(name: str, model: Path, sessions: int, frames: int, warmup: 
 
 
 def measure(name: str, model: Path, sessions: int, frames: int, warmup: int, flags: list[str],
-            env: dict[str, str]) -> dict[str, float]:
-    """One engine's step in a process of its own: p50 and p95, and the medians of `--host-split`."""
-    command = service_command(name, model, sessions, frames, warmup, flags, "--host-split", "--json")
+            env: dict[str, str], kernels: bool = False) -> dict:
+    """One engine's step in a process of its own: p50 and p95, and the medians of `--host-split`; with
+    `kernels`, its kernels' count and device time a step and the costliest (`bench.kernels.summary`)."""
+    command = service_command(name, model, sessions, frames, warmup, flags, "--host-split", "--json",
+                              *(["--kernels", str(TOP_KERNELS)] if kernels else []))
     try:
         done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
@@ -77,7 +82,10 @@ def measure(name: str, model: Path, sessions: int, frames: int, warmup: int, fla
         raise ContentionError(f"{name}: the measured run failed with exit code {done.returncode}: "
                               f"{_last_line(done.stderr)}")
     run = json.loads(done.stdout)["runs"][0]["in_process"]
-    return {"step_p50_ms": run["latency_p50_ms"], "step_p95_ms": run["latency_p95_ms"], **run["host_times"]}
+    totals = {key: run["kernels"][key] for key in ("kernels_per_step", "kernel_ms", "busy_ms", "top")} \
+        if kernels else {}
+    return {"step_p50_ms": run["latency_p50_ms"], "step_p95_ms": run["latency_p95_ms"], **run["host_times"],
+            **totals}
 
 
 @contextlib.contextmanager
@@ -143,7 +151,7 @@ def _last_line(text: str) -> str:
 
 
 def run(model: Path, engines: list[str], beside: list[str] | None, sessions: int, frames: int, warmup: int,
-        cuda: bool, mps: bool) -> dict:
+        cuda: bool, mps: bool, kernels: bool = False) -> dict:
     """Each engine alone and beside the others; with `mps`, every process under one MPS daemon."""
     flags, env = configuration(cuda, mps)
     rows = []
@@ -151,12 +159,12 @@ def run(model: Path, engines: list[str], beside: list[str] | None, sessions: int
         env = {name: {**daemon_env, **values} for name, values in env.items()}
         for name in engines:
             others = [other for other in (beside if beside is not None else SERVICES) if other != name]
-            alone = measure(name, model, sessions, frames, warmup, flags[name], env[name])
+            alone = measure(name, model, sessions, frames, warmup, flags[name], env[name], kernels)
             with holding(others, model, sessions, frames, warmup, flags, env):
-                loaded = measure(name, model, sessions, frames, warmup, flags[name], env[name])
+                loaded = measure(name, model, sessions, frames, warmup, flags[name], env[name], kernels)
             rows.append({"engine": name, "beside": others, "alone": alone, "beside_others": loaded})
     return {"model": str(model), "sessions": sessions, "frames": frames, "mps": mps, "cuda": cuda,
-            "flags": flags, "engines": rows}
+            "kernels": kernels, "flags": flags, "engines": rows}
 
 
 @contextlib.contextmanager
@@ -191,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mps", action="store_true",
                         help="every process under an MPS daemon of its own (an NVIDIA GPU's driver has it)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also record each measured step's kernels, timed on the device (needs PyTorch with "
+                             "CUDA in this Python)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.sessions < 1 or args.frames < 1 or args.warmup < 0:
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         report = run(args.model, args.engines, args.beside, args.sessions, args.frames, args.warmup,
-                     mx.cuda.is_available(), args.mps)
+                     mx.cuda.is_available(), args.mps, args.kernels)
     except (ContentionError, MpsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -210,15 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{args.sessions} sessions a step, {args.frames} steps after {args.warmup} warm-up"
           f"{', under MPS' if args.mps else ''} (ms: step p50 / p95, then the medians of building the graph, "
-          "launching it, waiting for the device)")
-    print("| engine | beside | alone | Python | launch | device wait | beside the others | Python | launch | "
-          "device wait |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "launching it, waiting for the device"
+          f"{'; the kernels a step, their device time a step and the time one ran' if args.kernels else ''})")
+    columns = ["Python", "launch", "device wait"] + (["kernels", "kernel ms", "busy ms"] if args.kernels else [])
+    print("| engine | beside | alone | " + " | ".join(columns) + " | beside the others | " + " | ".join(columns)
+          + " |")
+    print("| --- | --- |" + " --- |" * (2 * len(columns) + 2))
     for row in report["engines"]:
         cells = []
         for side in (row["alone"], row["beside_others"]):
             cells += [f"{side['step_p50_ms']:.2f} / {side['step_p95_ms']:.2f}", f"{side['python_ms']:.2f}",
                       f"{side['launch_ms']:.2f}", f"{side['wait_ms']:.2f}"]
+            if args.kernels:
+                cells += [f"{side['kernels_per_step']:.0f}", f"{side['kernel_ms']:.2f}", f"{side['busy_ms']:.2f}"]
         print(f"| {row['engine']} | {', '.join(row['beside']) or '-'} | " + " | ".join(cells) + " |")
     return 0
 

@@ -23,7 +23,8 @@
 #              service's --step-log)
 #   contention each engine at SESSIONS sessions alone, then beside the other three stepping as many in processes
 #              of their own (bench.contention, the many-conversation configuration; under MPS with MPS=1): how
-#              much of a live step is waiting for the others' work on the shared GPU
+#              much of a live step is waiting for the others' work on the shared GPU; with KERNELS=1 each
+#              measured step's kernels recorded too, timed on the device (--kernels: needs PyTorch with CUDA)
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
@@ -101,6 +102,8 @@ wants() { [[ $steps == *" $1 "* ]]; }
 
 mps=""
 [ "${MPS:-0}" = 1 ] && mps="--mps"
+kernels=""
+[ "${KERNELS:-0}" = 1 ] && kernels="--kernels"
 
 if wants warmup; then
   step warmup "$py" -m bench.stages --model "$model" --frames 3 --warmup 2 || exit 1
@@ -138,8 +141,8 @@ if wants engines; then
   [ $cuda = 1 ] && step matmuls "$py" -m bench.matmuls --model "$model" --rows "1,$sessions"
 fi
 if wants contention; then
-  # shellcheck disable=SC2086  # $mps is empty or one flag
-  step contention "$py" -m bench.contention --model "$model" --sessions "$sessions" $mps
+  # shellcheck disable=SC2086  # $mps and $kernels are each empty or one flag
+  step contention "$py" -m bench.contention --model "$model" --sessions "$sessions" $mps $kernels
 fi
 if wants rtf && [ -n "$reference" ]; then
   # shellcheck disable=SC2086  # a list of flags

@@ -3,7 +3,7 @@
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
-                            [--partial N] [--host-split] [--hold] [--json]
+                            [--partial N] [--host-split] [--kernels N] [--hold] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -22,6 +22,9 @@ Python, launching it (`mx.async_eval`, which on a GPU returns once every kernel 
 device, and the engine thread's CPU time. A step whose thread CPU time is its wall time is bound by the host,
 not the device: on a GPU such a step costs about the same for one session as for many.
 
+--kernels N (in-process, on a GPU with PyTorch's profiler) records every kernel the measured steps run, timed
+on the device (`bench.kernels`), and reports per K the kernels a step, their time a step and the N costliest.
+
 --hold (in-process, one K) keeps K sessions stepping until SIGTERM, as load beside another measurement
 (`bench.contention` runs the other engines so while it times one).
 """
@@ -33,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +46,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.kernels import KernelRecorder, KernelRecorderError, summary
+from bench.kernels import table as kernel_table
 from orchestrator.launcher import spawn_service, stop, wait_ready
 from orchestrator.profile import percentile
 from protos.voicechat.v1 import (
@@ -223,18 +229,21 @@ class EngineDriver:
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
                llm_weights_dtype: str | None = None, float32_weights: bool = False,
-               split_matmuls: bool = False, partial: int = 0, host_split: bool = False) -> dict[int, dict]:
+               split_matmuls: bool = False, partial: int = 0, host_split: bool = False,
+               kernels: int = 0) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path), with `partial` of them left out of every third
     step (`stepping`). The engine first precompiles the batch sizes up to the largest K, as a service this bench
     starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step; with
-    `host_split` the medians of where a step's time goes on the host (`host_times`)}."""
+    `host_split` the medians of where a step's time goes on the host (`host_times`); with `kernels` the
+    device time of the measured steps' kernels and the `kernels` costliest (`bench.kernels.summary`)}."""
     from bench.stages import EvalSplit
 
     driver = EngineDriver(name, model, config, llm_weights_dtype, float32_weights, split_matmuls)
     driver.precompile(max(sessions))
     report = {}
     split = EvalSplit()
+    recorder = KernelRecorder() if kernels else None
     for k in sessions:
         live = [driver.open() for _ in range(k)]
         latencies, kinds, frames_stepped, previous = [], [], 0, k
@@ -242,6 +251,8 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
         with split if host_split else contextlib.nullcontext():
             for index in range(frames + warmup):
                 members = [live[b] for b in stepping(k, partial, index)]
+                if recorder is not None and index == warmup:
+                    recorder.start()
                 split.take()  # what the step before (a warm-up one, say) left
                 start, cpu = time.perf_counter(), time.thread_time()
                 driver.step(members)
@@ -254,11 +265,14 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
                         launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
                         host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
                 previous = len(members)
+        recorded = recorder.stop() if recorder is not None else None
         report[k] = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
                      "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
         if host_split:
             report[k]["host_times"] = {name: percentile([step[i] for step in host], 0.5) for i, name in
                                        enumerate(("python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"))}
+        if recorded is not None:
+            report[k]["kernels"] = summary(recorded, frames, kernels)
         if partial:
             for kind in ("full", "partial", "after_partial"):
                 picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
@@ -347,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process (--no-grpc): where a step's time goes on the host, medians of: building "
                              "its graph in Python, launching it (mx.async_eval: on a GPU every kernel queued), "
                              "waiting for the device, and the engine thread's CPU time")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="in-process (--no-grpc), on a GPU with PyTorch: record the measured steps' kernels, "
+                             "timed on the device, and report their time a step and the N costliest")
     parser.add_argument("--hold", action="store_true",
                         help="in-process (--no-grpc), one session count: keep its sessions stepping, fresh ones "
                              "every --frames steps, until SIGTERM or SIGINT, as load beside another measurement "
@@ -362,10 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--split-matmuls: the codec service has no such option")
     if args.host_split and args.grpc:
         parser.error("--host-split: needs --no-grpc (it times the engine in this process)")
+    if args.kernels and (args.grpc or args.kernels < 0):
+        parser.error("--kernels N: needs --no-grpc (it records the engine in this process) and N of at least 1")
     if not args.grpc and (not args.in_process or args.address):
         parser.error("--no-grpc runs the in-process side only: it takes neither --no-in-process nor --address")
-    if args.hold and (args.grpc or len(args.sessions) != 1 or args.partial or args.host_split):
-        parser.error("--hold: needs --no-grpc and one session count, and takes neither --partial nor --host-split")
+    if args.hold and (args.grpc or len(args.sessions) != 1 or args.partial or args.host_split or args.kernels):
+        parser.error("--hold: needs --no-grpc and one session count, and takes none of --partial, --host-split "
+                     "and --kernels")
     config = VoiceChatConfig.load(args.model)
     dtype = None if args.weights_dtype == "stored" else args.weights_dtype
     if args.hold:
@@ -396,9 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if child is not None:
             stop([child])
-    local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
-                        args.float32_weights, args.split_matmuls, args.partial, args.host_split)
-             if args.in_process else {})
+    try:
+        local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
+                            args.float32_weights, args.split_matmuls, args.partial, args.host_split, args.kernels)
+                 if args.in_process else {})
+    except KernelRecorderError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     rows = [{"sessions": run["sessions"], "grpc": run, "in_process": local.get(run["sessions"])} for run in grpc_runs]
     if not args.grpc:
         rows = [{"sessions": k, "grpc": None, "in_process": local[k]} for k in args.sessions]
@@ -424,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
             times = "".join(f" {ms:.2f} |" for ms in p["host_times"].values()) if host else ""
             print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
                   f"{p['latency_p95_ms']:.2f} |{split}{times}")
+        for row in rows:
+            if "kernels" in row["in_process"]:
+                print(f"\n{row['sessions']} sessions: " + "\n".join(kernel_table(row["in_process"]["kernels"])))
         return 0
     print("| sessions | mean batch | gRPC frames/s | gRPC p50 / p95 ms | in-process frames/s | "
           "in-process p50 / p95 ms | transport p50 ms |")

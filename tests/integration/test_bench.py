@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import mlx.core as mx
 import pytest
 
 from bench import matmuls, service, stages
+from bench.kernels import Kernel
 from services.common import split_matmul
 from services.common.config import VoiceChatConfig
 
@@ -99,6 +101,42 @@ def test_service_bench_splits_a_steps_host_time(tiny_checkpoint, capsys):
     assert all(len(line.split(" | ")) == 7 for line in lines[3:])
     with pytest.raises(SystemExit):
         service.main(["codec", "--model", str(tiny_checkpoint), "--host-split"])
+
+
+def test_service_bench_records_the_measured_steps_kernels(tiny_checkpoint, capsys, monkeypatch):
+    """--kernels records from the first measured step to the last, per session count; the recorder itself (CUPTI
+    through PyTorch) is a GPU host's, so a stand-in gives each recording two kernels a step."""
+    steps, marks = [], []
+    driver_step = service.EngineDriver.step
+    monkeypatch.setattr(service.EngineDriver, "step",
+                        lambda self, sessions: steps.append(len(sessions)) or driver_step(self, sessions))
+
+    class Recorder:
+        def start(self):
+            marks.append(("start", len(steps)))
+
+        def stop(self):
+            marks.append(("stop", len(steps)))
+            return [Kernel(name, 10.0 * i + 5.0 * j, 4.0)
+                    for i in range(3) for j, name in enumerate(("gemm", "add"))]
+
+    monkeypatch.setattr(service, "KernelRecorder", Recorder)
+    assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1,2", "--frames", "3",
+                         "--warmup", "2", "--no-grpc", "--kernels", "1"]) == 0
+    assert marks == [("start", 2), ("stop", 5), ("start", 7), ("stop", 10)]  # the warm-up steps left out
+    out = capsys.readouterr().out
+    assert out.count("2 kernels a step, 0.01 ms of kernels a step (0.01 ms with at least one running), over 3 "
+                     "steps") == 2
+    assert out.count("| `add` | 1.0 | 0.004 | 4.0 |") == 2 and "gemm" not in out  # the top one only
+    with pytest.raises(SystemExit):
+        service.main(["codec", "--model", str(tiny_checkpoint), "--kernels", "3"])  # gRPC: not this process
+
+
+def test_service_bench_without_a_recorder_says_what_it_needs(tiny_checkpoint, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert service.main(["codec", "--model", str(tiny_checkpoint), "--frames", "2", "--no-grpc",
+                         "--kernels", "3"]) == 1
+    assert capsys.readouterr().err.startswith("error: recording kernels needs PyTorch's profiler")
 
 
 def test_eval_split_times_both_halves_of_an_evaluation_and_puts_eval_back():

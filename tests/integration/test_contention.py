@@ -37,6 +37,20 @@ def test_the_table_has_a_row_per_engine(tiny_checkpoint, capsys):
     assert all(len(line.split(" | ")) == 10 for line in lines[3:])
 
 
+def test_kernels_are_asked_of_every_measured_run(tiny_checkpoint, capsys, monkeypatch):
+    """--kernels reaches each measured run (`bench.service --kernels`); where that Python cannot record (no
+    PyTorch with CUDA, as here), the run's error names what it needs."""
+    commands = []
+    run = contention.subprocess.run
+    monkeypatch.setattr(contention.subprocess, "run", lambda command, **kw: commands.append(command) or
+                        run(command, **kw))
+    assert contention.main(["--model", str(tiny_checkpoint), "--engines", "codec", "--beside", "codec",
+                            "--sessions", "1", "--frames", "2", "--warmup", "0", "--kernels"]) == 1
+    assert commands[0][-2:] == ["--kernels", str(contention.TOP_KERNELS)]
+    assert capsys.readouterr().err.startswith("error: codec: the measured run failed with exit code 1: error: "
+                                              "recording kernels needs")
+
+
 def test_the_configuration_is_the_many_conversation_one():
     flags, env = contention.configuration(cuda=False, mps=False)
     assert flags == {"perception": ["--float32-weights"], "llm": ["--weights-dtype", "bfloat16", "--float32-weights"],
