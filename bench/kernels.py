@@ -15,8 +15,9 @@ other engines.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,17 +30,26 @@ class KernelRecorderError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernel:
-    """One run of one kernel (or device copy or fill) on the device, its times in microseconds."""
+    """One run of one kernel (or device copy or fill) on the device, its times in microseconds; `size` is the
+    threads it launched (grid times block), or for a copy or fill its bytes (0 where the trace gives neither)."""
 
     name: str
     start_us: float
     duration_us: float
+    size: int = 0
+
+
+def _size(args: dict) -> int:
+    """Threads launched (grid x block) or bytes moved, from a trace event's args."""
+    if "grid" in args and "block" in args:
+        return math.prod(args["grid"]) * math.prod(args["block"])
+    return int(args.get("bytes", 0))
 
 
 def trace_kernels(trace: dict) -> list[Kernel]:
     """The device work of a Chrome trace as PyTorch's profiler exports it: its complete events ("ph": "X") of
     the categories in DEVICE_CATEGORIES, in the order they started."""
-    kernels = [Kernel(event["name"], float(event["ts"]), float(event["dur"]))
+    kernels = [Kernel(event["name"], float(event["ts"]), float(event["dur"]), _size(event.get("args", {})))
                for event in trace.get("traceEvents", [])
                if event.get("ph") == "X" and event.get("cat") in DEVICE_CATEGORIES]
     return sorted(kernels, key=lambda kernel: kernel.start_us)
@@ -62,12 +72,15 @@ def busy_us(kernels: list[Kernel]) -> float:
 def summary(kernels: list[Kernel], steps: int, top: int = 10) -> dict:
     """What `steps` steps' kernels cost the device, a step: their count, their summed time (`kernel_ms`), the
     time at least one ran (`busy_ms`), and the `top` kernel names by summed time, each with its runs a step,
-    its time a step and its mean run (microseconds)."""
+    its time a step, its mean run (microseconds) and the size its runs had most often (threads, or a copy's
+    bytes: what says which array a kernel worked on)."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     by_name: dict[str, list[float]] = defaultdict(list)
+    sizes: dict[str, Counter[int]] = defaultdict(Counter)
     for kernel in kernels:
         by_name[kernel.name].append(kernel.duration_us)
+        sizes[kernel.name][kernel.size] += 1
     ranked = sorted(by_name.items(), key=lambda item: (-sum(item[1]), item[0]))
     return {
         "steps": steps,
@@ -75,7 +88,8 @@ def summary(kernels: list[Kernel], steps: int, top: int = 10) -> dict:
         "kernel_ms": sum(kernel.duration_us for kernel in kernels) / steps / 1000.0,
         "busy_ms": busy_us(kernels) / steps / 1000.0,
         "top": [{"name": name, "runs_per_step": len(runs) / steps, "ms_per_step": sum(runs) / steps / 1000.0,
-                 "mean_us": sum(runs) / len(runs)} for name, runs in ranked[:top]],
+                 "mean_us": sum(runs) / len(runs), "size": sizes[name].most_common(1)[0][0]}
+                for name, runs in ranked[:top]],
     }
 
 
@@ -116,8 +130,10 @@ def table(report: dict) -> list[str]:
     """Markdown lines of a `summary`: the totals, then its top kernels."""
     lines = [f"{report['kernels_per_step']:.0f} kernels a step, {report['kernel_ms']:.2f} ms of kernels a step "
              f"({report['busy_ms']:.2f} ms with at least one running), over {report['steps']} steps",
-             "| kernel | runs a step | ms a step | mean us |", "| --- | --- | --- | --- |"]
+             "| kernel | runs a step | ms a step | mean us | size (threads or bytes) |",
+             "| --- | --- | --- | --- | --- |"]
     for row in report["top"]:
         name = row["name"] if len(row["name"]) <= 90 else row["name"][:87] + "..."
-        lines.append(f"| `{name}` | {row['runs_per_step']:.1f} | {row['ms_per_step']:.3f} | {row['mean_us']:.1f} |")
+        lines.append(f"| `{name}` | {row['runs_per_step']:.1f} | {row['ms_per_step']:.3f} | {row['mean_us']:.1f} | "
+                     f"{row['size']} |")
     return lines
