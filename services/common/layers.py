@@ -124,6 +124,11 @@ class Projections:
             cuts.append(total)
         return mx.split(self.joined(x), cuts, axis=-1)
 
+    def side_by_side(self, x: mx.array) -> mx.array:
+        """Every projection of x, side by side along the last axis (the joined matmul's own output, unsplit):
+        what a cache of the projections stores, to split as `__call__` does when they are used."""
+        return self.joined(x) if self.joined is not None else mx.concatenate([part(x) for part in self.parts], -1)
+
 
 def _narrower(value: mx.array | None, dtype: mx.Dtype) -> bool:
     return value is not None and mx.issubdtype(value.dtype, mx.floating) and value.itemsize < dtype.size

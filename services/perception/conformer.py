@@ -180,16 +180,26 @@ class RelPosAttention:
         p = self.pos(pos_emb)
         return p.reshape(p.shape[0], p.shape[1], self.n_heads, -1).transpose(0, 2, 1, 3)
 
+    def keys_values(self, x: mx.array) -> mx.array:
+        """x: (B, T, D) attention inputs -> (B, T, 2D): each row's key and value projections side by side. A
+        row's projections depend on that row alone, so a stream caches them instead of its inputs and projects
+        only its new rows each step."""
+        return self.kv.side_by_side(x)
+
     def __call__(self, x: mx.array, kv: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
-        """x: (B, Tq, D) queries; kv: (B, Tk, D) keys/values, the last Tq of them aligned with x;
+        """x: (B, Tq, D) queries; kv: (B, Tk, D) key/value inputs, the last Tq of them aligned with x;
         p: (1, H, 2*Tk - 1, Dh) `positions` of (1, 2*Tk - 1, D) sinusoids; mask: additive (Tq, Tk) or None."""
+        return self.attend(x, self.keys_values(kv), p, mask)
+
+    def attend(self, x: mx.array, projected: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
+        """`__call__` with the keys' inputs already projected: projected (B, Tk, 2D) as `keys_values` gives."""
         b, tq, d = x.shape
-        tk = kv.shape[1]
+        tk = projected.shape[1]
         h = self.n_heads
         dh = d // h
         scale = dh**-0.5
         q = self.q(x).reshape(b, tq, h, dh)
-        k, v = self.kv(kv)
+        k, v = mx.split(projected, [self.kv.sizes[0]], axis=-1)
         k = k.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         v = v.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         q_u = (q + self.bias_u).transpose(0, 2, 1, 3)
@@ -286,16 +296,16 @@ class ConformerBlock:
         self, x: mx.array, attn_cache: mx.array, conv_cache: mx.array, positions: mx.array, left: int,
         key_mask: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """Streaming: x (B, c, D) new frames; attn_cache (B, n, D) earlier attention inputs (n ≤ left);
-        conv_cache (B, k-1, D) earlier GLU outputs; positions: this layer's `RelPosAttention.positions` of
-        (1, 2(n+c)-1, D) sinusoids; key_mask, when some rows' caches are front-padded, additive (B, 1, 1, n+c)
-        hiding those padding keys.
+        """Streaming: x (B, c, D) new frames; attn_cache (B, n, 2D) earlier frames' key and value projections
+        (`RelPosAttention.keys_values`, n ≤ left); conv_cache (B, k-1, D) earlier GLU outputs; positions: this
+        layer's `RelPosAttention.positions` of (1, 2(n+c)-1, D) sinusoids; key_mask, when some rows' caches are
+        front-padded, additive (B, 1, 1, n+c) hiding those padding keys.
         Returns (out (B, c, D), attn_cache', conv_cache')."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
-        kv = mx.concatenate([attn_cache, xn], axis=1)
+        kv = mx.concatenate([attn_cache, self.attn.keys_values(xn)], axis=1)
         # the window is exactly the allowed left context, so only padding needs a mask
-        x = x + self.attn(xn, kv, positions, key_mask)
+        x = x + self.attn.attend(xn, kv, positions, key_mask)
         g = self.conv.gated(self.norm_conv(x))
         din = mx.concatenate([conv_cache, g], axis=1)
         x = x + self.conv.finish(din)
@@ -326,6 +336,13 @@ class Conformer:
         for layer, p in zip(self.layers, positions, strict=True):
             x = layer(x, p, mask, self.cfg.conv_padding)
         return x
+
+    def empty_caches(self) -> tuple[list[mx.array], list[mx.array]]:
+        """A stream's caches before its first frame, float32, one of each per layer: the attention cache (1, 0,
+        2 * d_model), no frame's key and value projections yet; the conv cache (1, kernel - 1, d_model), zeros."""
+        cfg = self.cfg
+        return ([mx.zeros((1, 0, 2 * cfg.d_model), mx.float32) for _ in range(cfg.n_layers)],
+                [mx.zeros((1, cfg.conv_kernel_size - 1, cfg.d_model), mx.float32) for _ in range(cfg.n_layers)])
 
     def project_positions(self, keys: int, dtype: mx.Dtype) -> list[mx.array]:
         """Every layer's `RelPosAttention.positions` of the 2 * keys - 1 relative positions' sinusoids in `dtype`

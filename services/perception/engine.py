@@ -384,7 +384,7 @@ class PerceptionEngine:
         n_layers = len(encoders[0].attn_caches)
         conv = [rows.gather([e.conv_caches[n] for e in encoders]) for n in range(n_layers)]
         left = self.encoder.cfg.left_context
-        held = [e.attn_caches[0].shape[1] for e in encoders]  # cached attention inputs per session
+        held = [e.attn_caches[0].shape[1] for e in encoders]  # frames each session's attention caches hold
         if min(held) == left:
             attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)

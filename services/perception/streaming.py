@@ -2,9 +2,10 @@
 
 Per push of mel frames it re-runs the causal subsampling stack over a short mel window (the retained mel
 cache plus the new frames), keeps the encoder frames not yet emitted, and runs them through the layers with
-the per-layer attention cache (last `left_context` attention inputs) and conv cache (last `kernel - 1` GLU
-outputs). The subsampling window starts at zeros rather than the true history, which is why the streamed
-frames drift slightly from the whole-utterance encoder; the reference streams the same way.
+the per-layer attention cache (the last `left_context` frames' key and value projections: a step projects
+its new frames only) and conv cache (last `kernel - 1` GLU outputs). The subsampling window starts at zeros
+rather than the true history, which is why the streamed frames drift slightly from the whole-utterance
+encoder; the reference streams the same way.
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ class EncoderStream:
         self.encoder = encoder
         self.factor = cfg.subsampling_factor
         self.chunk_mel = chunk_frames * self.factor
-        d = cfg.d_model
-        self.attn_caches = [mx.zeros((1, 0, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
-        self.conv_caches = [mx.zeros((1, cfg.conv_kernel_size - 1, d), dtype=mx.float32) for _ in range(cfg.n_layers)]
+        self.attn_caches, self.conv_caches = encoder.empty_caches()
         self.mel_cache: mx.array | None = None  # (1, n, n_mels)
         # while the caches fill: (cache, the padded row it is the tail of) per layer, from the last padded step
         self._padded: list[tuple[mx.array, mx.array]] | None = None
@@ -92,7 +91,7 @@ class EncoderStream:
         return self.padded_rows() or [front_pad(cache, self.encoder.cfg.left_context) for cache in self.attn_caches]
 
     def keep_padded(self, rows: list[mx.array], keep: int) -> None:
-        """Store a padded step's new caches: rows (1, left, D) per layer, of which the last `keep` are real (what
+        """Store a padded step's new caches: rows (1, left, 2D) per layer, of which the last `keep` are real (what
         the unpadded step keeps); the zero rows before them are the padding the next padded step needs."""
         left = self.encoder.cfg.left_context
         self.attn_caches = [row if keep == left else row[:, left - keep :] for row in rows]

@@ -105,14 +105,36 @@ def test_block_step_with_caches_equals_the_masked_whole_sequence(engine):
     whole = x
     for layer in enc.layers:
         whole = layer(whole, layer.attn.positions(pos), mask, cfg.conv_padding)
-    attn = [mx.zeros((1, 0, cfg.d_model))] * cfg.n_layers
-    conv = [mx.zeros((1, cfg.conv_kernel_size - 1, cfg.d_model))] * cfg.n_layers
+    attn, conv = enc.empty_caches()
     steps = []
     for t in range(length):
         h, attn, conv = enc.step(x[:, t : t + 1], attn, conv)
         steps.append(np.array(h[0, 0]))
         assert attn[0].shape[1] == min(t + 1, cfg.left_context)
     np.testing.assert_allclose(np.stack(steps), np.array(whole[0]), rtol=0, atol=1e-4)
+
+
+def test_a_stream_caches_key_value_projections_and_projects_only_its_new_frames(engine, monkeypatch):
+    """Each layer's attention cache holds the key and value projections of its last left-context inputs, so a
+    step projects its one new frame, never the window again; the cache's rows are exactly those projections."""
+    enc = engine.encoder
+    cfg = enc.cfg
+    projected = []  # the rows each keys_values call projected
+    keys_values = type(enc.layers[0].attn).keys_values
+    monkeypatch.setattr(type(enc.layers[0].attn), "keys_values",
+                        lambda attn, x: projected.append(x.shape[1]) or keys_values(attn, x))
+    x = mx.array(np.random.default_rng(2).standard_normal((1, cfg.left_context + 3, cfg.d_model)).astype(np.float32))
+    attn, conv = enc.empty_caches()
+    inputs = []  # layer 0's attention input of every frame
+    norm = enc.layers[0].norm_att
+    for t in range(x.shape[1]):
+        frame = x[:, t : t + 1]
+        inputs.append(norm(frame + 0.5 * enc.layers[0].ff1(enc.layers[0].norm_ff1(frame))))
+        _, attn, conv = enc.step(frame, attn, conv)
+    assert projected == [1] * (cfg.n_layers * x.shape[1])
+    assert attn[0].shape == (1, cfg.left_context, 2 * cfg.d_model)
+    expected = enc.layers[0].attn.keys_values(mx.concatenate(inputs[-cfg.left_context :], axis=1))
+    np.testing.assert_array_equal(np.array(attn[0]), np.array(expected))
 
 
 def test_encoder_stream_gives_one_frame_per_80ms_and_tracks_the_offline_encoder(engine):
