@@ -239,11 +239,11 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     device time of the measured steps' kernels and the `kernels` costliest (`bench.kernels.summary`)}."""
     from bench.stages import EvalSplit
 
+    recorder = KernelRecorder() if kernels else None  # before the load: a host that cannot record says so at once
     driver = EngineDriver(name, model, config, llm_weights_dtype, float32_weights, split_matmuls)
     driver.precompile(max(sessions))
     report = {}
     split = EvalSplit()
-    recorder = KernelRecorder() if kernels else None
     for k in sessions:
         live = [driver.open() for _ in range(k)]
         latencies, kinds, frames_stepped, previous = [], [], 0, k
