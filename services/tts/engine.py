@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
+from services.common.rows import RowSources, take_index
 from services.tts.backbone import FullCache, RingCache
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
@@ -65,6 +67,10 @@ class TTSEngine:
     control_codes: mx.array  # (3,) int32
     max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS
     _text_rows: OrderedDict[int, mx.array] = field(default_factory=OrderedDict, repr=False)
+    # each session's previous codes and random key are rows of the last batched step's arrays (`RowSources`), so
+    # the next step of the same sessions gathers them without a copy per session
+    _rows: RowSources = field(default_factory=RowSources, repr=False)
+    _stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, float32_weights: bool = False,
@@ -210,29 +216,34 @@ class TTSEngine:
             embedded = self.model.embed_subword.embed_rows(missing, self.table)
             for n, text_id in enumerate(missing):
                 rows[text_id] = embedded[n : n + 1]
-        picked = []
         for text_id in text_ids:
             rows.move_to_end(text_id)
-            picked.append(rows[text_id])
+        distinct = list(dict.fromkeys(text_ids))  # most frames share a few ids (padding while listening)
+        picked = [rows[text_id] for text_id in distinct]
         while len(rows) > TEXT_ROWS_KEPT:
             rows.popitem(last=False)
-        return picked[0] if len(picked) == 1 else mx.concatenate(picked, axis=0)
+        if len(distinct) == 1:
+            return mx.broadcast_to(picked[0], (len(text_ids), *picked[0].shape[1:]))  # a view, no copy
+        joined = mx.concatenate(picked, axis=0)  # one copy per distinct id, then one take
+        return joined if len(distinct) == len(text_ids) else \
+            joined[take_index(tuple(distinct.index(text_id) for text_id in text_ids))]
 
     def _step_together(self, steps: Sequence[tuple[TTSSession, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The validated steps of distinct sessions as one compiled forward (`CompiledStep`)."""
         sessions = [session for session, _ in steps]
         ids = [int(text_id) for _, text_id in steps]
         eos = self.config.eos_token_id
-        previous = [self.silence_codes[None, None, :] if text_id == eos else session.previous
-                    for session, text_id in zip(sessions, ids, strict=True)]
-        previous = previous[0] if len(previous) == 1 else mx.concatenate(previous, axis=0)
-        keys = take_batch([s.rng for s in sessions], self.model.draws)
+        previous = self._rows.gather([self.silence_codes[None, None, :] if text_id == eos else session.previous
+                                      for session, text_id in zip(sessions, ids, strict=True)])
+        keys = take_batch([s.rng for s in sessions], self.model.draws, self._rows)
         codes, both = self._compiled_step(previous, self.text_rows(ids), [s.caches for s in sessions], keys)
         mx.eval(codes, both)
         rows = np.array(both, dtype=np.int32)
-        for i, session in enumerate(sessions):
-            session.previous = codes if len(sessions) == 1 else codes[i : i + 1]
+        for session, row in zip(sessions, self._rows.split(codes), strict=True):
+            session.previous = row
             session.steps += 1
+        self._stepped.update(sessions)
+        self._rows.keep({id(a) for s in self._stepped for a in (s.previous, s.rng.key)})
         return [(row[0], row[1]) for row in rows]
 
 

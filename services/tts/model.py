@@ -185,20 +185,27 @@ class EarTts:
         cfg = self.config
         half = hidden.shape[0] // 2
         cond, uncond = hidden[:half], hidden[half:]
-        # masked codes in argmin's own dtype: the stacks of picked and masked codes then need no conversions
-        codes = [mx.full(cond.shape[:2], cfg.codebook_size, mx.uint32) for _ in range(cfg.num_quantizers)]
-        done = 0
+        # masked codes in argmin's own dtype: picked and masked codes then join with no conversions
+        masked = mx.full((*cond.shape[:2], cfg.num_quantizers), cfg.codebook_size, mx.uint32)
+        picked: list[mx.array] = []  # (B, T, 1) each, codebook by codebook
+
+        def codes() -> mx.array:
+            # the picked codes, then the masked rest: one copy per picked codebook (on a GPU one small kernel
+            # each) rather than one per codebook every round
+            rest = [masked[..., len(picked):]] if len(picked) < cfg.num_quantizers else []
+            return mx.concatenate([*picked, *rest], axis=-1) if picked else masked
+
         for count in self._schedule():
             if count == 0:
                 continue
-            embedded = self.embed_codes(mx.stack(codes, axis=-1))
+            embedded = self.embed_codes(codes())
             mu, logs = self.mog_head(mx.concatenate([embedded + cond, embedded + uncond], axis=0), rng,
                                      guidance_scale=cfg.guidance_scale, top_p=cfg.top_p)
             residual = mu + mx.exp(logs) * rng.normal(mu.shape) * cfg.noise_scale
-            for q in range(done, done + count):
+            for q in range(len(picked), len(picked) + count):
                 book = self.books[q]
                 distance = self.book_norms[q] - 2.0 * (residual @ book.T)
-                codes[q] = mx.argmin(distance, axis=-1)
-                residual = residual - book[codes[q]]
-            done += count
-        return mx.stack(codes, axis=-1).astype(mx.int32)
+                code = mx.argmin(distance, axis=-1)
+                picked.append(code[..., None])
+                residual = residual - book[code]
+        return codes().astype(mx.int32)

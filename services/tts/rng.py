@@ -16,17 +16,20 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from services.common.rows import RowSources
+
 
 class SessionKey:
-    """The key sequence of `mx.random.seed(seed)`; every draw consumes one split."""
+    """The key sequence of `mx.random.seed(seed)`; every draw consumes one split. `key` is the current key, (2,)
+    uint32 (a batched draw, `take_batch`, replaces it)."""
 
     def __init__(self, seed: int):
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-        self._key = mx.random.key(seed)
+        self.key = mx.random.key(seed)
 
     def next_key(self) -> mx.array:
-        self._key, sub = mx.random.split(self._key)
+        self.key, sub = mx.random.split(self.key)
         return sub
 
     def uniform(self, shape: tuple[int, ...]) -> mx.array:
@@ -77,11 +80,14 @@ def _split_chain(count: int):
     return mx.compile(chain)
 
 
-def take_batch(rngs: Sequence[SessionKey], count: int) -> mx.array:
-    """`mx.stack([rng.take(count) for rng in rngs])`, (B, count, 2), split for all sessions at once."""
-    keys, subs = _split_chain(count)(mx.stack([rng._key for rng in rngs]))
-    for i, rng in enumerate(rngs):
-        rng._key = keys[i]
+def take_batch(rngs: Sequence[SessionKey], count: int, rows: RowSources | None = None) -> mx.array:
+    """`mx.stack([rng.take(count) for rng in rngs])`, (B, count, 2), split for all sessions at once. With
+    `rows`, each session's new key is a row of the batch's array there, so the same sessions' next batch takes
+    their keys back without a copy per session."""
+    rows = rows or RowSources()
+    keys, subs = _split_chain(count)(rows.gather([rng.key for rng in rngs], squeeze=True))
+    for rng, key in zip(rngs, rows.split(keys, squeeze=True), strict=True):
+        rng.key = key
     return subs
 
 
@@ -90,13 +96,13 @@ class BatchKeySequence:
     session i's own draw of shape (1, ...) with its own key gives (never a key shared across rows)."""
 
     def __init__(self, keys: mx.array):
-        self._keys = keys
+        self.keys = keys
         self._next = 0
 
     def _draw(self, draw, shape: tuple[int, ...]) -> mx.array:
-        if shape[0] != self._keys.shape[0]:
-            raise ValueError(f"a batched draw needs one row per session ({self._keys.shape[0]}), got {shape}")
-        keys = self._keys[:, self._next]
+        if shape[0] != self.keys.shape[0]:
+            raise ValueError(f"a batched draw needs one row per session ({self.keys.shape[0]}), got {shape}")
+        keys = self.keys[:, self._next]
         self._next += 1
         row = (1, *shape[1:])
         return mx.vmap(lambda key: draw(row, key))(keys).reshape(shape)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from services.common.layers import Embedding, Linear
-from services.perception.engine import PerceptionEngine, RowSources
+from services.common.rows import RowSources
+from services.perception.engine import PerceptionEngine
 from services.perception.rnnt import RNNT, JointNetwork, LSTMLayer, PredictionNetwork
 
 TOL = 1e-5
@@ -242,16 +243,16 @@ def test_row_sources_give_back_the_batched_array_or_one_take():
 def test_the_gathers_of_one_step_share_their_index_array(engine):
     """A step of some sessions, and the full step after it, gather every cache array (one per layer and kind)
     in the same order: that order's index array is made once a step, not once per array."""
-    from services.perception import engine as engine_module
+    from services.common import rows as rows_module
 
     audio = [_audio(engine, k) for k in range(3)]
     streams = [engine.open_stream() for _ in audio]
     for f in range(FRAMES - 3):
         engine.push_batch([(s, _frame(engine, a, f)) for s, a in zip(streams, audio, strict=True)])
     for members, f in (([1, 2], FRAMES - 3), ([0, 1, 2], FRAMES - 2)):
-        engine_module.take_index.cache_clear()
+        rows_module.take_index.cache_clear()
         engine.push_batch([(streams[b], _frame(engine, audio[b], f)) for b in members])
-        made = engine_module.take_index.cache_info()
+        made = rows_module.take_index.cache_info()
         assert made.hits >= 4 and made.misses <= 2, made  # one or two orders for every layer's caches
 
 
