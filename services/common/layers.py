@@ -12,6 +12,7 @@ Weights are read from a `Weights` by module path:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -128,6 +129,26 @@ class Projections:
         """Every projection of x, side by side along the last axis (the joined matmul's own output, unsplit):
         what a cache of the projections stores, to split as `__call__` does when they are used."""
         return self.joined(x) if self.joined is not None else mx.concatenate([part(x) for part in self.parts], -1)
+
+    def grouped(self, x: mx.array, counts: Sequence[int]) -> list[mx.array]:
+        """The projections of x in consecutive groups of `counts` projections, each group's side by side along
+        the last axis: views of the joined matmul's output (the separate layers' outputs concatenated when the
+        projections could not join). `grouped(x, (1, 2))` of q, k, v is [q, k and v side by side]."""
+        if sum(counts) != len(self.sizes) or any(count < 1 for count in counts):
+            raise ValueError(f"groups of {list(counts)} projections do not cover the {len(self.sizes)} projections")
+        if self.joined is None:
+            outputs, groups, first = [part(x) for part in self.parts], [], 0
+            for count in counts:
+                group = outputs[first : first + count]
+                groups.append(group[0] if count == 1 else mx.concatenate(group, axis=-1))
+                first += count
+            return groups
+        cuts, first, total = [], 0, 0
+        for count in counts[:-1]:
+            total += sum(self.sizes[first : first + count])
+            first += count
+            cuts.append(total)
+        return mx.split(self.joined(x), cuts, axis=-1)
 
 
 def _narrower(value: mx.array | None, dtype: mx.Dtype) -> bool:

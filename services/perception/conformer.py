@@ -159,8 +159,7 @@ class Subsampling:
 
 @dataclass
 class RelPosAttention:
-    q: Linear
-    kv: Projections  # linear_k and linear_v, both of the keys' input, as one matmul
+    qkv: Projections  # linear_q, linear_k and linear_v, all of one input in self-attention, as one matmul
     out: Linear
     pos: Linear
     bias_u: mx.array  # (H, Dh)
@@ -169,9 +168,9 @@ class RelPosAttention:
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, n_heads: int) -> RelPosAttention:
-        lin = {n: Linear.from_weights(weights, f"{path}.linear_{n}") for n in ("q", "out", "pos")}
-        kv = Projections.from_weights(weights, [f"{path}.linear_k", f"{path}.linear_v"])
-        return cls(lin["q"], kv, lin["out"], lin["pos"], weights.get(f"{path}.pos_bias_u"),
+        lin = {n: Linear.from_weights(weights, f"{path}.linear_{n}") for n in ("out", "pos")}
+        qkv = Projections.from_weights(weights, [f"{path}.linear_{n}" for n in ("q", "k", "v")])
+        return cls(qkv, lin["out"], lin["pos"], weights.get(f"{path}.pos_bias_u"),
                    weights.get(f"{path}.pos_bias_v"), n_heads)
 
     def positions(self, pos_emb: mx.array) -> mx.array:
@@ -180,26 +179,35 @@ class RelPosAttention:
         p = self.pos(pos_emb)
         return p.reshape(p.shape[0], p.shape[1], self.n_heads, -1).transpose(0, 2, 1, 3)
 
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x: (B, T, D) attention inputs -> (queries (B, T, D), keys and values (B, T, 2D)): each row's query,
+        key and value projections, from one matmul. A row's projections depend on that row alone, so a stream
+        caches its rows' keys and values instead of its inputs and projects only its new rows each step."""
+        q, kv = self.qkv.grouped(x, (1, 2))
+        return q, kv
+
     def keys_values(self, x: mx.array) -> mx.array:
-        """x: (B, T, D) attention inputs -> (B, T, 2D): each row's key and value projections side by side. A
-        row's projections depend on that row alone, so a stream caches them instead of its inputs and projects
-        only its new rows each step."""
-        return self.kv.side_by_side(x)
+        """x: (B, T, D) attention inputs -> (B, T, 2D): each row's key and value projections side by side (what
+        a stream's attention cache holds)."""
+        return self.project(x)[1]
 
-    def __call__(self, x: mx.array, kv: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
-        """x: (B, Tq, D) queries; kv: (B, Tk, D) key/value inputs, the last Tq of them aligned with x;
-        p: (1, H, 2*Tk - 1, Dh) `positions` of (1, 2*Tk - 1, D) sinusoids; mask: additive (Tq, Tk) or None."""
-        return self.attend(x, self.keys_values(kv), p, mask)
+    def __call__(self, x: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
+        """Self-attention over x: (B, T, D); p: (1, H, 2T - 1, Dh) `positions` of (1, 2T - 1, D) sinusoids;
+        mask: additive (T, T) or None."""
+        q, kv = self.project(x)
+        return self.attend(q, kv, p, mask)
 
-    def attend(self, x: mx.array, projected: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
-        """`__call__` with the keys' inputs already projected: projected (B, Tk, 2D) as `keys_values` gives."""
-        b, tq, d = x.shape
+    def attend(self, q: mx.array, projected: mx.array, p: mx.array, mask: mx.array | None) -> mx.array:
+        """q: (B, Tq, D) projected queries; projected: (B, Tk, 2D) keys and values as `project` gives them, the
+        last Tq rows aligned with the queries; p: (1, H, 2*Tk - 1, Dh) `positions` of (1, 2*Tk - 1, D)
+        sinusoids; mask: additive (Tq, Tk) or (B, 1, 1, Tk), or None."""
+        b, tq, d = q.shape
         tk = projected.shape[1]
         h = self.n_heads
         dh = d // h
         scale = dh**-0.5
-        q = self.q(x).reshape(b, tq, h, dh)
-        k, v = mx.split(projected, [self.kv.sizes[0]], axis=-1)
+        q = q.reshape(b, tq, h, dh)
+        k, v = mx.split(projected, [self.qkv.sizes[1]], axis=-1)
         k = k.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         v = v.reshape(b, tk, h, dh).transpose(0, 2, 1, 3)
         q_u = (q + self.bias_u).transpose(0, 2, 1, 3)
@@ -286,7 +294,7 @@ class ConformerBlock:
         """Whole sequence: x (B, T, D) -> (B, T, D); positions: this layer's `RelPosAttention.positions`."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
-        x = x + self.attn(xn, xn, positions, mask)
+        x = x + self.attn(xn, positions, mask)
         g = self.conv.gated(self.norm_conv(x))
         x = x + self.conv.finish(mx.pad(g, [(0, 0), conv_pad, (0, 0)]))
         x = x + 0.5 * self.ff2(self.norm_ff2(x))
@@ -303,9 +311,10 @@ class ConformerBlock:
         Returns (out (B, c, D), attn_cache', conv_cache')."""
         x = x + 0.5 * self.ff1(self.norm_ff1(x))
         xn = self.norm_att(x)
-        kv = mx.concatenate([attn_cache, self.attn.keys_values(xn)], axis=1)
+        q, new = self.attn.project(xn)
+        kv = mx.concatenate([attn_cache, new], axis=1)
         # the window is exactly the allowed left context, so only padding needs a mask
-        x = x + self.attn.attend(xn, kv, positions, key_mask)
+        x = x + self.attn.attend(q, kv, positions, key_mask)
         g = self.conv.gated(self.norm_conv(x))
         din = mx.concatenate([conv_cache, g], axis=1)
         x = x + self.conv.finish(din)

@@ -152,3 +152,24 @@ def test_linears_finds_every_layer_under_fields_and_items_in_order():
     model = [Block(layers[0], [layers[1], (layers[2],)], other="not a layer"), layers[3], mx.zeros((1,))]
     assert [id(x) for x in linears(model)] == [id(x) for x in layers]
     assert [id(x) for x in linears(layers[0])] == [id(layers[0])] and linears(mx.zeros((2,))) == []
+
+
+def test_grouped_projections_are_the_layers_outputs_side_by_side_joined_or_not():
+    """`grouped(x, (1, 2))` of q, k, v is [q, k beside v], for joined projections (views of the one matmul's
+    output) and for ones that could not join (the layers' own outputs concatenated) alike."""
+    x = mx.array(RNG.standard_normal((2, 3, 64)).astype(np.float32))
+    joined = {"e.q.weight": _dense(48, 64), "e.k.weight": _dense(32, 64), "e.v.weight": _dense(16, 64)}
+    apart = {**joined, "e.v.weight": _dense(16, 64, mx.float32)}  # another dtype: not joined
+    paths = ["e.q", "e.k", "e.v"]
+    for arrays, is_joined in ((joined, True), (apart, False)):
+        q, k, v = (np.array(a) for a in _separately(arrays, paths, x=x))
+        projections = Projections.from_weights(_weights(arrays), paths)
+        assert (projections.joined is not None) == is_joined
+        first, rest = projections.grouped(x, (1, 2))
+        np.testing.assert_array_equal(np.array(first), q)
+        np.testing.assert_array_equal(np.array(rest), np.concatenate([k, v], axis=-1))
+        [every] = projections.grouped(x, (3,))
+        np.testing.assert_array_equal(np.array(every), np.concatenate([q, k, v], axis=-1))
+        for counts in ((1, 1), (2, 2), (0, 3)):
+            with pytest.raises(ValueError, match="do not cover"):
+                projections.grouped(x, counts)

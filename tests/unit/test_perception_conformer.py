@@ -116,13 +116,14 @@ def test_block_step_with_caches_equals_the_masked_whole_sequence(engine):
 
 def test_a_stream_caches_key_value_projections_and_projects_only_its_new_frames(engine, monkeypatch):
     """Each layer's attention cache holds the key and value projections of its last left-context inputs, so a
-    step projects its one new frame, never the window again; the cache's rows are exactly those projections."""
+    step projects its one new frame, never the window again (its query, key and value in one matmul); the
+    cache's rows are exactly those projections."""
     enc = engine.encoder
     cfg = enc.cfg
-    projected = []  # the rows each keys_values call projected
-    keys_values = type(enc.layers[0].attn).keys_values
-    monkeypatch.setattr(type(enc.layers[0].attn), "keys_values",
-                        lambda attn, x: projected.append(x.shape[1]) or keys_values(attn, x))
+    projected = []  # the rows each projection call projected
+    project = type(enc.layers[0].attn).project
+    monkeypatch.setattr(type(enc.layers[0].attn), "project",
+                        lambda attn, x: projected.append(x.shape[1]) or project(attn, x))
     x = mx.array(np.random.default_rng(2).standard_normal((1, cfg.left_context + 3, cfg.d_model)).astype(np.float32))
     attn, conv = enc.empty_caches()
     inputs = []  # layer 0's attention input of every frame
