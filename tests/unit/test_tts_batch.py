@@ -262,3 +262,32 @@ def test_embed_rows_equals_each_ids_own_embedding(engine):
     want = mx.concatenate([encoder.embed_known(mx.array([[i]]), [i], [True], table) for i in ids], axis=0)
     assert got.shape == want.shape == (len(ids), 1, encoder.proj_embedding.out_features)
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_the_same_sessions_next_step_gathers_their_codes_and_keys_without_a_copy(engine):
+    """After a batched step every session's previous codes and random key are rows of that step's arrays, so
+    the next step of the same sessions in the same order gathers them back as those very arrays (no copy, on a
+    GPU no kernel); another order or a subset is one take of the same values."""
+    sessions = [engine.open_session(seed, _prompt(engine, seed)) for seed in range(3)]
+    pad = engine.config.pad_token_id
+    for _ in range(2):
+        engine.step_batch([(s, pad) for s in sessions])
+    rows = engine._rows
+    codes = rows.gather([s.previous for s in sessions])
+    keys = rows.gather([s.rng.key for s in sessions], squeeze=True)
+    assert codes.shape == (3, 1, engine.num_quantizers) and keys.shape == (3, 2)
+    assert rows.gather([s.previous for s in sessions]) is codes  # the batched array itself, not a new one
+    assert rows.gather([s.rng.key for s in sessions], squeeze=True) is keys
+    picked = rows.gather([sessions[2].previous, sessions[0].previous])
+    np.testing.assert_array_equal(np.array(picked), np.array(codes)[[2, 0]])
+    for s, row in zip(sessions, np.array(keys), strict=True):
+        np.testing.assert_array_equal(np.array(s.rng.key), row)
+
+
+def test_text_rows_of_repeated_ids_equal_each_ids_own_row(engine):
+    pad, eos = engine.config.pad_token_id, engine.config.eos_token_id
+    for ids in ([pad] * 5, [pad, eos, pad, pad], [eos, pad]):
+        got = np.array(engine.text_rows(ids).astype(mx.float32))
+        assert got.shape == (len(ids), 1, engine.config.tts_config.hidden_size)
+        for n, text_id in enumerate(ids):
+            np.testing.assert_array_equal(got[n], np.array(engine.text_rows([text_id]).astype(mx.float32))[0])
