@@ -22,13 +22,15 @@ def take_index(index: tuple[int, ...]) -> mx.array:
 
 
 class RowSources:
-    """Which batched array each per-session cache row is a slice of, so the next batched step gathers the
-    rows back with one copy per source array and one take, rather than one copy per session.
+    """Which batched array each per-session row (a cache, a state, a random key) is a slice of, so the next
+    batched step gathers the rows back with one copy per source array and one take, rather than one copy per
+    session.
 
         rows = sources.split(batched)          # (B, ...) -> B rows of (1, ...), remembered
         again = sources.gather(rows)           # the same array, no copy; a subset or reorder is one take
 
-    With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers).
+    With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers, speech's keys). A
+    user calls `keep` with the rows its sessions still hold now and then, so rows it dropped are forgotten.
     """
 
     def __init__(self):
