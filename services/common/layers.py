@@ -117,18 +117,7 @@ class Projections:
         return cls(joined, [], sizes)
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        if self.joined is None:
-            return [part(x) for part in self.parts]
-        cuts, total = [], 0
-        for size in self.sizes[:-1]:
-            total += size
-            cuts.append(total)
-        return mx.split(self.joined(x), cuts, axis=-1)
-
-    def side_by_side(self, x: mx.array) -> mx.array:
-        """Every projection of x, side by side along the last axis (the joined matmul's own output, unsplit):
-        what a cache of the projections stores, to split as `__call__` does when they are used."""
-        return self.joined(x) if self.joined is not None else mx.concatenate([part(x) for part in self.parts], -1)
+        return self.grouped(x, (1,) * len(self.sizes))
 
     def grouped(self, x: mx.array, counts: Sequence[int]) -> list[mx.array]:
         """The projections of x in consecutive groups of `counts` projections, each group's side by side along

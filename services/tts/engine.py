@@ -225,8 +225,10 @@ class TTSEngine:
         if len(distinct) == 1:
             return mx.broadcast_to(picked[0], (len(text_ids), *picked[0].shape[1:]))  # a view, no copy
         joined = mx.concatenate(picked, axis=0)  # one copy per distinct id, then one take
-        return joined if len(distinct) == len(text_ids) else \
-            joined[take_index(tuple(distinct.index(text_id) for text_id in text_ids))]
+        if len(distinct) == len(text_ids):
+            return joined
+        position = {text_id: n for n, text_id in enumerate(distinct)}
+        return joined[take_index(tuple(position[text_id] for text_id in text_ids))]
 
     def _step_together(self, steps: Sequence[tuple[TTSSession, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The validated steps of distinct sessions as one compiled forward (`CompiledStep`)."""

@@ -96,13 +96,13 @@ class BatchKeySequence:
     session i's own draw of shape (1, ...) with its own key gives (never a key shared across rows)."""
 
     def __init__(self, keys: mx.array):
-        self.keys = keys
+        self._keys = keys
         self._next = 0
 
     def _draw(self, draw, shape: tuple[int, ...]) -> mx.array:
-        if shape[0] != self.keys.shape[0]:
-            raise ValueError(f"a batched draw needs one row per session ({self.keys.shape[0]}), got {shape}")
-        keys = self.keys[:, self._next]
+        if shape[0] != self._keys.shape[0]:
+            raise ValueError(f"a batched draw needs one row per session ({self._keys.shape[0]}), got {shape}")
+        keys = self._keys[:, self._next]
         self._next += 1
         row = (1, *shape[1:])
         return mx.vmap(lambda key: draw(row, key))(keys).reshape(shape)
