@@ -7,11 +7,13 @@ import argparse
 import contextlib
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients, local_clients
 from orchestrator.launcher import REPLICA, SERVICES, LaunchError, grpc_target, launched
+from orchestrator.placement import check_environment, describe, parse_gpus, service_gpus
 from orchestrator.timeline import Clients
 
 __all__ = ["Deadlines", "ServiceError", "add_deadline_flags", "connect", "deadlines_from_args", "parse_services"]
@@ -97,12 +99,12 @@ def parse_replicas(text: str) -> tuple[str, int]:
     return name, int(count)
 
 
-def service_replicas(entries: list[tuple[str, int]] | None) -> dict[str, int]:
-    """Repeated --replicas -> name -> processes to start, `all` first, so a service's own count wins."""
-    counts = {name: 1 for name in SERVICES}
-    for target_name, count in _per_service(entries):
-        counts[target_name] = count
-    return counts
+def service_replicas(entries: list[tuple[str, int]] | None, gpus: dict[str, list[str]] | None = None
+                     ) -> dict[str, int]:
+    """Repeated --replicas -> name -> processes to start, `all` first, so a service's own count wins; a service
+    that --replicas leaves out runs one process per GPU of its placement (`gpus`, from --gpus), else one."""
+    given = dict(_per_service(entries))
+    return {name: given.get(name, len((gpus or {}).get(name, ())) or 1) for name in SERVICES}
 
 
 def _per_service(entries: list[tuple[str, object]] | None) -> Iterator[tuple[str, object]]:
@@ -180,6 +182,11 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
                              f"its own sessions' steps in a process of its own. {REPLICA} in its flags and "
                              "environment values becomes each replica's index, e.g. --service-flags "
                              f"perception=--step-log=steps-{REPLICA}.jsonl")
+    parser.add_argument("--gpus", type=checked(parse_gpus), action="append", metavar="NAME=INDEX[,INDEX...]",
+                        help="the NVIDIA GPUs a service this command starts runs on (NAME as for --service-flags; "
+                             "repeatable): one replica per GPU unless --replicas gives the count, replicas "
+                             "round-robin over the GPUs, each process seeing only its own (CUDA_VISIBLE_DEVICES), "
+                             "e.g. --gpus llm=1 --gpus perception=0 --gpus tts=0,1")
     add_deadline_flags(parser)
 
 
@@ -187,28 +194,37 @@ def connection_from_args(args: argparse.Namespace) -> dict:
     """Where the services are, as `connect` / `connect_streams` take it, from `add_connection_flags`' flags;
     UsageError for flags that cannot go together."""
     for flag, given in (("--service-flags", args.service_flags), ("--service-env", args.service_env),
-                        ("--mps", args.mps), ("--replicas", args.replicas)):
+                        ("--mps", args.mps), ("--replicas", args.replicas), ("--gpus", args.gpus)):
         if given and (args.services is not None or args.in_process):
             raise UsageError(f"{flag} is for services this command starts; it cannot go with --services "
                              "or --in-process")
+    envs, gpus = service_envs(args.service_env), service_gpus(args.gpus)
+    try:
+        check_environment(gpus, envs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags), "envs": service_envs(args.service_env), "mps": args.mps,
-            "replicas": service_replicas(args.replicas)}
+            "flags": service_flags(args.service_flags), "envs": envs, "mps": args.mps,
+            "replicas": service_replicas(args.replicas, gpus), "gpus": gpus}
 
 
 @contextlib.contextmanager
 def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
             mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
-            replicas: dict[str, int] | None = None) -> Iterator[dict[str, str]]:
+            replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None
+            ) -> Iterator[dict[str, str]]:
     """The four services' gRPC targets: the ones given, or children started here (from the main thread, with
-    their extra `flags` and environment variables `envs`, `replicas[name]` processes of a service, under an MPS
-    daemon of their own with `mps`) and stopped on exit. A client failure while a child has died names that
-    child."""
+    their extra `flags` and environment variables `envs`, `replicas[name]` processes of a service placed on
+    `gpus[name]`, under an MPS daemon of their own with `mps`) and stopped on exit. A client failure while a child
+    has died names that child."""
     if services:
         yield services
         return
+    if gpus:
+        print(describe(gpus, {name: (replicas or {}).get(name, 1) for name in SERVICES}), file=sys.stderr,
+              flush=True)
     try:
-        with launched(model, flags=flags, mps=mps, envs=envs, replicas=replicas) as children:
+        with launched(model, flags=flags, mps=mps, envs=envs, replicas=replicas, gpus=gpus) as children:
             try:
                 yield {name: grpc_target(group) for name, group in children.items()}
             except ServiceError as exc:
@@ -225,12 +241,12 @@ def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str
 def connect(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
             deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
             mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
-            replicas: dict[str, int] | None = None) -> Iterator[Clients]:
+            replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
         yield local_clients(model)
         return
-    with serving(model, services, flags, mps, envs, replicas) as addresses:
+    with serving(model, services, flags, mps, envs, replicas, gpus) as addresses:
         clients = grpc_clients(addresses, deadlines)
         try:
             yield clients

@@ -135,12 +135,24 @@ def grpc_target(replicas: list[ServiceProcess]) -> str:
     return "ipv4:" + ",".join(child.address for child in replicas)
 
 
-def replica_settings(name: str, count: int, flags: list[str], env: dict[str, str]
+# The variable that gives a process its GPU (see orchestrator.placement).
+GPU_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def gpu_of_replicas(gpus: list[str], count: int) -> list[str]:
+    """The GPU of each of `count` replicas: round-robin over `gpus`."""
+    return [gpus[r % len(gpus)] for r in range(count)]
+
+
+def replica_settings(name: str, count: int, flags: list[str], env: dict[str, str], gpus: list[str] | None = None
                      ) -> list[tuple[list[str], dict[str, str]]]:
-    """Each of `count` replicas' flags and environment: REPLICA replaced by its index. ValueError when replicas
-    would share a value only one process may hold (a fixed --port or --metrics-port, one --step-log)."""
+    """Each of `count` replicas' flags and environment: REPLICA replaced by its index, and with `gpus` its GPU
+    (GPU_ENV, round-robin over them). ValueError when replicas would share a value only one process may hold (a
+    fixed --port or --metrics-port, one --step-log)."""
+    placed = [{GPU_ENV: gpu} for gpu in gpu_of_replicas(gpus, count)] if gpus else [{}] * count
     settings = [([flag.replace(REPLICA, str(r)) for flag in flags],
-                 {var: value.replace(REPLICA, str(r)) for var, value in env.items()}) for r in range(count)]
+                 {**{var: value.replace(REPLICA, str(r)) for var, value in env.items()}, **placed[r]})
+                for r in range(count)]
     if count > 1:
         for flag in _OWN_FLAGS:
             values = [_flag_value(own, flag) for own, _ in settings]
@@ -168,15 +180,17 @@ def _example(flag: str) -> str:
 @contextlib.contextmanager
 def launched(model: Path, names: tuple[str, ...] = SERVICES, flags: dict[str, list[str]] | None = None,
              mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
-             replicas: dict[str, int] | None = None) -> Iterator[dict[str, list[ServiceProcess]]]:
+             replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None
+             ) -> Iterator[dict[str, list[ServiceProcess]]]:
     """Start the services (they load in parallel) with their extra `flags` (name -> flags) and environment
     variables `envs` (name -> variables, over this process's own), `replicas[name]` processes of a service (default
-    one; REPLICA in its flags and variables becomes each one's index), yield name -> its processes, and always
-    stop them. With `mps` they share the GPU through an MPS daemon started for them first and stopped after them
-    (see orchestrator.mps)."""
+    one; REPLICA in its flags and variables becomes each one's index) spread round-robin over `gpus[name]` when
+    given, yield name -> its processes, and always stop them. With `mps` they share the GPU through an MPS daemon
+    started for them first and stopped after them (see orchestrator.mps)."""
     try:
         settings = {name: replica_settings(name, (replicas or {}).get(name, 1), (flags or {}).get(name, []),
-                                           (envs or {}).get(name, {})) for name in names}
+                                           (envs or {}).get(name, {}), (gpus or {}).get(name))
+                    for name in names}
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     with contextlib.ExitStack() as stack:
