@@ -12,6 +12,17 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
                                                   `cache` freed but kept for reuse, `peak` active since start
 
+The orchestrator's duplex latency, per audio frame sent to a client against a live microphone's schedule (the
+definitions are in orchestrator/latency.py):
+
+    voicechat_frame_latency_seconds{service}      histogram: frame i out - (first input audio in + i x 80 ms)
+    voicechat_frame_gap_seconds{service}          histogram: time since the conversation's previous frame
+    voicechat_frame_jitter_seconds{service}       histogram: |gap - 80 ms|; the mean is the RFC 3550-style jitter
+    voicechat_deadline_misses_total{service}      counter: frames whose latency exceeded the latency budget (200 ms)
+    voicechat_first_audio_seconds{service}        histogram: a conversation's first frame's latency
+    voicechat_latency_trend_seconds{service}      histogram: per conversation at its end, the mean latency of its
+                                                  last 5 s minus its first 5 s (growth: frames falling behind)
+
 Each Metrics owns its own CollectorRegistry, so several servers in one test process do not collide:
 
     metrics = Metrics("codec", frame_budget_s=0.08)
@@ -39,7 +50,11 @@ from prometheus_client.parser import text_string_to_metric_families
 SERVICES = ("perception", "llm", "tts", "codec", "orchestrator")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FRAME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.64, 1.28)
+LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 4.0, 8.0, 16.0)
+JITTER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+TREND_BUCKETS = (-1.0, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 DEFAULT_FRAME_BUDGET_S = 0.08  # the checkpoint's frame duration; the services set theirs from config.json
+DEFAULT_LATENCY_BUDGET_S = 0.2  # a frame this far behind a live microphone is a deadline miss (orchestrator)
 METRICS_PORT_ENV = "VOICECHAT_METRICS_PORT"
 METRICS_PREFIX = "metrics on "  # the stdout line a started metrics server is announced with
 
@@ -55,13 +70,17 @@ _ORCHESTRATOR_FRAME_HELP = (
 class Metrics:
     """The metrics of one role, in a registry of their own; every method is safe from any thread."""
 
-    def __init__(self, service: str, *, frame_budget_s: float = DEFAULT_FRAME_BUDGET_S) -> None:
+    def __init__(self, service: str, *, frame_budget_s: float = DEFAULT_FRAME_BUDGET_S,
+                 latency_budget_s: float = DEFAULT_LATENCY_BUDGET_S) -> None:
         if service not in SERVICES:
             raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
         if not frame_budget_s > 0:
             raise ValueError(f"frame_budget_s must be positive, got {frame_budget_s}")
+        if not latency_budget_s > 0:
+            raise ValueError(f"latency_budget_s must be positive, got {latency_budget_s}")
         self.service = service
         self.frame_budget_s = frame_budget_s
+        self.latency_budget_s = latency_budget_s  # read by the front doors' LatencyTrackers (orchestrator)
         self.registry = CollectorRegistry()
         self._session_counts: list[Callable[[], int]] = []
         sessions = "conversations (gRPC Converse and /v1/realtime)" if service == "orchestrator" else "streams"
@@ -83,6 +102,7 @@ class Metrics:
         self._batch_size = None if service == "orchestrator" else Histogram(
             "voicechat_batch_size", "Sessions whose frame steps ran together in one batched engine step",
             ["service"], buckets=BATCH_BUCKETS, registry=self.registry).labels(service)
+        self._latency = _DuplexLatency(self.registry) if service == "orchestrator" else None
         if service != "orchestrator":
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
                            "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
@@ -112,6 +132,20 @@ class Metrics:
             raise ValueError("the orchestrator runs no batched engine steps")
         self._batch_size.observe(size)
 
+    def frame_latency(self, latency_s: float, gap_s: float | None, jitter_s: float | None, late: bool) -> None:
+        """One audio frame sent to a client (orchestrator; a FrameTiming of orchestrator.latency): gap and jitter
+        are None for a conversation's first frame, whose latency is also its first-audio latency."""
+        self._duplex().frame(latency_s, gap_s, jitter_s, late)
+
+    def latency_trend(self, trend_s: float) -> None:
+        """One conversation's latency trend, at its end (orchestrator)."""
+        self._duplex().trend.observe(trend_s)
+
+    def _duplex(self) -> _DuplexLatency:
+        if self._latency is None:
+            raise ValueError("duplex latency is the orchestrator's (frames sent to clients)")
+        return self._latency
+
     def error(self, code: str) -> None:
         """One error answered with `code` (e.g. "INVALID_ARGUMENT", "ERROR_CODE_SERVER_BUSY", "server_busy")."""
         self._errors.labels(self.service, code).inc()
@@ -123,6 +157,39 @@ class Metrics:
     def serve(self, port: int, host: str) -> MetricsServer:
         """Expose the registry at http://HOST:PORT/metrics on a thread of its own (port 0 picks a free one)."""
         return MetricsServer(self.registry, port=port, host=host)
+
+
+class _DuplexLatency:
+    """The orchestrator's duplex latency series (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, help: str, buckets: tuple[float, ...]):
+            return Histogram(name, help, ["service"], buckets=buckets, registry=registry).labels("orchestrator")
+
+        self.latency = histogram("voicechat_frame_latency_seconds", "Seconds an audio frame went out behind a live "
+                                 "microphone: frame i's send - (the conversation's first input audio + i x 80 ms)",
+                                 LATENCY_BUCKETS)
+        self.gap = histogram("voicechat_frame_gap_seconds", "Seconds between a conversation's consecutive audio "
+                             "frames going out", FRAME_BUCKETS)
+        self.jitter = histogram("voicechat_frame_jitter_seconds", "|gap - 80 ms| per audio frame: RFC 3550's "
+                                "|D| against the live schedule; the mean is the jitter", JITTER_BUCKETS)
+        self.first_audio = histogram("voicechat_first_audio_seconds", "Seconds from a conversation's first input "
+                                     "audio arriving to its first audio frame going out", LATENCY_BUCKETS)
+        self.trend = histogram("voicechat_latency_trend_seconds", "Per conversation at its end: mean frame latency "
+                               "of its last 5 s minus its first 5 s (halves when shorter than 10 s)", TREND_BUCKETS)
+        self.misses = Counter("voicechat_deadline_misses", "Audio frames whose voicechat_frame_latency_seconds "
+                              "exceeded the latency budget (--latency-budget-ms, 200 ms)", ["service"],
+                              registry=registry).labels("orchestrator")
+
+    def frame(self, latency_s: float, gap_s: float | None, jitter_s: float | None, late: bool) -> None:
+        self.latency.observe(latency_s)
+        if gap_s is None:
+            self.first_audio.observe(latency_s)
+        else:
+            self.gap.observe(gap_s)
+            self.jitter.observe(jitter_s)
+        if late:
+            self.misses.inc()
 
 
 def _memory_readers() -> dict[str, Callable[[], float]]:
