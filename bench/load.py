@@ -1,7 +1,8 @@
 """Hold K concurrent conversations against a running orchestrator and report what the clients saw.
 
     python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
-                         [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH] [--json]
+                         [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH]
+                         [--latency-budget-ms MS] [--json]
 
 Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
 stopped after. Each conversation sends S seconds of speech (the input looped, each conversation from its own
@@ -9,9 +10,12 @@ offset and with its own seed) as 80 ms PCM16 chunks, through the gRPC Converse s
 WebSocket, paced like a live microphone (`live`, the default) or as fast as the server takes it (`burst`), then
 flushes. No conversation sends past --duration seconds after its start (a bounded run).
 
-Reported per transport: conversations, frames delivered, frames per second over the run, the interval between a
-conversation's consecutive audio frames (p50/p95), first-audio latency (from the first chunk sent to the first
-audio frame back, p50), errors, and lost frames (frames sent but never answered). `--timeline PATH` also writes
+Reported per transport: conversations, frames delivered, frames per second over the run, the interval (inter-frame
+gap) between a conversation's consecutive audio frames (p50/p95), errors, lost frames (frames sent but never
+answered), and the duplex latency of orchestrator/latency.py: per-frame latency (audio frame i received - (the first
+chunk sent + i x 80 ms), p50/p95/max), jitter (mean |gap - 80 ms|), deadline misses (frames later than
+--latency-budget-ms, 200), first-audio latency (frame 0's, p50/p95) and the trend (mean latency of a conversation's
+last 5 s minus its first 5 s; the conversations' mean and largest). `--timeline PATH` also writes
 when each conversation sent its first chunk and received each audio frame (seconds from the run's start, JSON,
 with the start's `time.monotonic()`), to line up with the services' `--step-log` (`python -m bench.timeline`).
 """
@@ -36,6 +40,7 @@ import grpc
 import numpy as np
 
 from orchestrator.audio import read_audio, to_pcm16
+from orchestrator.latency import DEFAULT_BUDGET_S, add_budget_flag, replay, summarize
 from orchestrator.profile import percentile
 from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc
@@ -232,6 +237,7 @@ class LoadReport:
     wall_s: float
     settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles
     start: float = 0.0  # monotonic time the run started
+    budget_s: float = DEFAULT_BUDGET_S  # a frame later than this behind the live schedule is a deadline miss
 
     def timeline(self) -> dict:
         """Each conversation's first chunk sent and audio frames received, in seconds from the run's start."""
@@ -248,17 +254,18 @@ class LoadReport:
             mine = [o for o in self.outcomes if o.transport == transport]
             intervals = intervals_ms([o.arrivals for o in mine], self.settle_frames)
             frames = sum(o.frames for o in mine)
-            firsts = [(o.arrivals[0] - o.first_sent) * 1000.0 for o in mine if o.arrivals and o.first_sent]
+            latency = summarize([replay(o.first_sent, o.arrivals, FRAME_S, self.budget_s) for o in mine],
+                                self.settle_frames)
             table[transport] = {
                 "conversations": len(mine),
                 "frames": frames,
                 "frames_per_s": frames / self.wall_s if self.wall_s else 0.0,
                 "interval_p50_ms": percentile(intervals, 0.5) if intervals else None,
                 "interval_p95_ms": percentile(intervals, 0.95) if intervals else None,
-                "first_audio_p50_ms": percentile(firsts, 0.5) if firsts else None,
                 "errors": sum(len(o.errors) for o in mine),
                 "lost_frames": sum(o.lost for o in mine),
                 "completed": sum(o.done for o in mine),
+                **latency,
             }
         return table
 
@@ -300,8 +307,7 @@ def orchestrator(model: Path, sessions: int, extra: list[str] | None = None) -> 
 
 def print_table(report: LoadReport) -> None:
     rows = report.rows()
-    keys = ["conversations", "frames", "frames_per_s", "interval_p50_ms", "interval_p95_ms", "first_audio_p50_ms",
-            "errors", "lost_frames", "completed"]
+    keys = list(next(iter(rows.values()), {}))
     print(f"{'':>18}" + "".join(f"{t:>12}" for t in rows))
     for key in keys:
         cells = []
@@ -334,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave each conversation's first S seconds of frames out of the interval percentiles "
                              "(its opening: the prompt, the first frames of every conversation starting together)")
     parser.add_argument("--timeline", type=Path, help="write each conversation's send and arrival times (JSON)")
+    add_budget_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
@@ -358,10 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         with orchestrator(args.model, max(args.grpc, args.ws)) as (address, url):
             report = run(args.address or address, args.realtime or url)
     report.settle_frames = round(args.settle_seconds / FRAME_S)
+    report.budget_s = args.latency_budget_s
     if args.timeline is not None:
         args.timeline.write_text(json.dumps(report.timeline()))
     if args.json:
-        print(json.dumps({"wall_s": report.wall_s, "transports": report.rows()}, indent=2))
+        print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": report.budget_s * 1e3,
+                          "transports": report.rows()}, indent=2))
     else:
         print_table(report)
     return 0 if all(not o.errors and o.done and not o.lost for o in report.outcomes) else 1

@@ -8,7 +8,7 @@
                                [--output-audio OUT.wav] [--dump OUT.npz] [--sequential] [--max-streaming-seconds S]
                                [--services ...] [--in-process]
     orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
-                       [--metrics-port N] [--metrics-host H]
+                       [--metrics-port N] [--metrics-host H] [--latency-budget-ms MS]
 
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
@@ -34,6 +34,7 @@ from orchestrator.connect import (
     connect,
     connection_from_args,
 )
+from orchestrator.latency import add_budget_flag
 from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
@@ -105,6 +106,7 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
     add_realtime_flags(serve)
     add_metrics_flags(serve)
+    add_budget_flag(serve)
 
 
 def dump_offline(path: Path, result: OfflineResult, meta: dict) -> None:
@@ -297,7 +299,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     model = model_for(args)
-    metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration)
+    metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
+                      latency_budget_s=args.latency_budget_s)
     try:  # bound before the services start: a busy port fails at once
         exposition = start_from_args(metrics, args, args.host)
     except OSError as exc:

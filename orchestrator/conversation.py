@@ -10,7 +10,8 @@ max_streaming_seconds (LIMIT_EXCEEDED) or a failed service (SERVICE_UNAVAILABLE,
 that Error. However a stream ends (Done, error, or a client that vanished) every service session is freed.
 
 `metrics` (voicechat_*{service="orchestrator"}) sees the conversations holding a slot, every frame whose events
-went out (timed by the session's frame interval) and every Error sent, by its ERROR_CODE_* name.
+went out (timed by the session's frame interval, and by its LatencyTracker against the live schedule from the first
+AudioIn's arrival) and every Error sent, by its ERROR_CODE_* name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.clients import ServiceError
+from orchestrator.latency import LatencyTracker
 from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import StreamClients
 from orchestrator.text import TextDecoder
@@ -143,6 +145,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         session: OnlineSession | None = None
         slot = False
         reader: asyncio.Task | None = None
+        timing = LatencyTracker(self.config.frame_duration, self.metrics.latency_budget_s, metrics=self.metrics)
         try:
             while session is None:  # Configure (again after SESSION_INITIALIZATION_FAILED)
                 request = await anext(request_iterator, None)
@@ -205,10 +208,11 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 output_sample_rate_hz=self.config.output_sample_rate,
                 input_sample_rate_hz=self.config.input_sample_rate))
             self._outboxes.add(out)
-            reader = asyncio.create_task(self._read(request_iterator, session, drive, out))
-            async for message in self._write(session, out, reader):
+            reader = asyncio.create_task(self._read(request_iterator, session, drive, out, timing))
+            async for message in self._write(session, out, reader, timing):
                 yield message
         finally:
+            timing.close()
             self._outboxes.discard(out)
             if reader is not None:
                 reader.cancel()
@@ -232,7 +236,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 outbox.put_nowait(_Fatal(pb.ERROR_CODE_SERVICE_UNAVAILABLE, message))
             await _wait_until(lambda: self.live_sessions == 0, 5.0)
 
-    async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue) -> None:
+    async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue,
+                    timing: LatencyTracker) -> None:
         """Apply the client's messages in order; problems go to `out` as (code, message) or _Fatal."""
         ended = False
         rate = self.config.input_sample_rate
@@ -251,6 +256,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                         except ValueError as exc:
                             out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, str(exc)))
                             continue
+                        timing.start()
                         await asyncio.to_thread(drive, session.push_audio, samples, rate)
                     elif kind == "flush":
                         ended = True
@@ -282,7 +288,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         finally:
             out.put_nowait(_READER_DONE)
 
-    async def _write(self, session: OnlineSession, out: asyncio.Queue, reader: asyncio.Task):
+    async def _write(self, session: OnlineSession, out: asyncio.Queue, reader: asyncio.Task,
+                     timing: LatencyTracker):
         """Events and errors in order; Done/Cancelled last, held until the client half-closes (or 1 s)."""
         rate = self.config.output_sample_rate
         terminal: Event | None = None
@@ -318,6 +325,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
             yield event_to_proto(item, rate)
             if item.kind == "audio":  # a frame's last event went out
                 self.metrics.frame(item.interval_s)
+                timing.frame()
 
 
 def registrations(servicer: ConversationServicer):

@@ -16,7 +16,8 @@ The protocol, field for field, is in docs/protocol.md.
 
 `metrics` (voicechat_*{service="orchestrator"}, shared with the gRPC conversation service under `orchestrator
 serve`) sees the connections holding a slot, every frame whose audio delta went out (timed by the session's frame
-interval) and every error event sent, by its error code (invalid_request, server_busy, ...).
+interval, and by its LatencyTracker against the live schedule from the first append's arrival) and every error event
+sent, by its error code (invalid_request, server_busy, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from orchestrator.audio import to_pcm16
+from orchestrator.latency import LatencyTracker, add_budget_flag
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 
@@ -404,6 +406,8 @@ class _Connection:
         self._holds_slot = True
         self.metrics = server.metrics
         self._intervals: collections.deque[float | None] = collections.deque()  # of audio deltas not yet sent
+        self.timing = LatencyTracker(self.factory.frame_samples / self.factory.input_sample_rate,
+                                     server.metrics.latency_budget_s, metrics=server.metrics)
 
     # ------------------------------------------------------------------------------------------ sending
 
@@ -414,6 +418,7 @@ class _Connection:
         await self.websocket.send(json.dumps({"event_id": new_id("event_"), **payload}, separators=(",", ":")))
         if kind == "response.audio.delta":  # a frame's last event went out
             self.metrics.frame(self._intervals.popleft())
+            self.timing.frame()
 
     async def error(self, code: str, message: str) -> None:
         await self.send(error_message(code, message))
@@ -503,6 +508,7 @@ class _Connection:
         except ValueError as exc:
             await self.error(INFERENCE_ERROR, str(exc))
             return
+        self.timing.start()
         n = self.factory.frame_samples
         for start in range(0, max(len(samples), 1), n):  # an empty append still reaches the rate check
             try:
@@ -611,6 +617,7 @@ class _Connection:
     def release(self) -> None:
         if self._holds_slot:
             self._holds_slot = False
+            self.timing.close()
             self.server._release()
             log.info("realtime %s: slot released", self.id)
 
@@ -645,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM: new connections are refused and live sessions get this many seconds, then "
                              "end with server_shutting_down (default 5)")
     add_metrics_flags(parser, bind_flag="--realtime-host")
+    add_budget_flag(parser)
     return parser
 
 
@@ -693,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metrics = Metrics("orchestrator")
+    metrics = Metrics("orchestrator", latency_budget_s=args.latency_budget_s)
     exposition = None
     try:
         connection = connection_from_args(args)

@@ -138,3 +138,57 @@ def test_replicas_partial_steps_count_against_their_share_of_the_conversations()
                        "conversations": [{"arrivals_s": []} for _ in range(16)]}, named)
     assert r["services"]["perception-0"]["holds"] == 8 and r["services"]["perception-0"]["partial"] == 1
     assert r["services"]["perception-1"]["partial"] == 0 and r["services"]["llm"]["partial"] == 0
+
+
+def test_the_duplex_latency_reaches_the_json_and_the_orchestrators_histograms(tiny_checkpoint, capsys):
+    """One gRPC and one WebSocket conversation of 2 s (25 frames each), paced live, with a 100 ms budget on both
+    sides: bench.load's --json carries the latency figures and /metrics counts every frame once."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from bench.load import main
+    from services.common.cli import parse_ready_line
+    from services.common.metrics import parse_metrics_line, scrape
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--model", str(tiny_checkpoint), "--host", "127.0.0.1",
+         "--port", "0", "--realtime-port", "0", "--metrics-port", "0", "--latency-budget-ms", "100"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [process.stdout.readline() for _ in range(3)]
+        url, ready, metrics = lines[0].split()[-1], parse_ready_line(lines[1]), parse_metrics_line(lines[2])
+        assert ready is not None and metrics is not None, lines
+        assert main(["--address", f"127.0.0.1:{ready[1]}", "--realtime", url, "--grpc", "1", "--ws", "1",
+                     "--seconds", "2", "--latency-budget-ms", "100", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+
+        def sample(page: dict, name: str, **labels: str) -> float | None:
+            return page.get((name, frozenset({"service": "orchestrator", **labels}.items())))
+
+        deadline = time.monotonic() + 15
+        page = scrape(metrics)
+        while sample(page, "voicechat_latency_trend_seconds_count") != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # each conversation's trend is observed as its slot is freed
+            page = scrape(metrics)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    assert report["latency_budget_ms"] == 100.0
+    for row in report["transports"].values():
+        assert row["frames"] == 25 and row["lost_frames"] == 0 and row["errors"] == 0
+        assert row["latency_p50_ms"] <= row["latency_p95_ms"] <= row["latency_max_ms"]
+        assert row["first_audio_p50_ms"] == row["first_audio_p95_ms"] <= row["latency_max_ms"]  # one conversation
+        assert 0 <= row["deadline_misses"] <= 25 and row["jitter_ms"] >= 0
+        assert row["trend_ms"] == row["trend_max_ms"] and abs(row["trend_ms"]) < 1000 * 2
+    # every frame the clients received went out once: 50 latencies, 48 gaps and jitters, 2 first frames, 2 trends
+    assert sample(page, "voicechat_frame_latency_seconds_count") == 50
+    assert sample(page, "voicechat_frame_gap_seconds_count") == sample(page, "voicechat_frame_jitter_seconds_count")
+    assert sample(page, "voicechat_frame_gap_seconds_count") == 48
+    assert sample(page, "voicechat_first_audio_seconds_count") == 2
+    assert sample(page, "voicechat_latency_trend_seconds_count") == 2
+    # misses past the 100 ms budget: exactly the latencies above the 0.1 bucket
+    late = 50 - sample(page, "voicechat_frame_latency_seconds_bucket", le="0.1")
+    assert sample(page, "voicechat_deadline_misses_total") == late
