@@ -235,7 +235,7 @@ async def _expect(socket, kind: str, outcome: Outcome) -> bool:
 class LoadReport:
     outcomes: list[Outcome]
     wall_s: float
-    settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles
+    settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles and jitter
     start: float = 0.0  # monotonic time the run started
     budget_s: float = DEFAULT_BUDGET_S  # a frame later than this behind the live schedule is a deadline miss
 
@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
     parser.add_argument("--settle-seconds", type=float, default=0.0,
                         help="leave each conversation's first S seconds of frames out of the interval percentiles "
-                             "(its opening: the prompt, the first frames of every conversation starting together)")
+                             "and the jitter (its opening: the prompt, the first frames of every conversation "
+                             "starting together)")
     parser.add_argument("--timeline", type=Path, help="write each conversation's send and arrival times (JSON)")
     add_budget_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeline is not None:
         args.timeline.write_text(json.dumps(report.timeline()))
     if args.json:
-        print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": report.budget_s * 1e3,
+        print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
                           "transports": report.rows()}, indent=2))
     else:
         print_table(report)

@@ -73,7 +73,6 @@ def test_a_conversation_summary_in_ms():
     settled = summarize([first], settle_frames=1)  # the jitter of frame 1 (gap 100 ms) left out
     assert settled["jitter_ms"] == pytest.approx((20 + 160) / 2) and settled["deadline_misses"] == 1
     assert summarize([silent]) == {key: (0 if key == "deadline_misses" else None) for key in s}
-    assert replay(START, OUT, FRAME_S, budget_s=0.11)[0].budget_s == 0.11
     assert summarize([replay(START, OUT, FRAME_S, budget_s=0.11)])["deadline_misses"] == 2  # 120 and 260 ms
 
 
