@@ -182,7 +182,9 @@ def test_the_duplex_latency_reaches_the_json_and_the_orchestrators_histograms(ti
         assert row["latency_p50_ms"] <= row["latency_p95_ms"] <= row["latency_max_ms"]
         assert row["first_audio_p50_ms"] == row["first_audio_p95_ms"] <= row["latency_max_ms"]  # one conversation
         assert 0 <= row["deadline_misses"] <= 25 and row["jitter_ms"] >= 0
-        assert row["trend_ms"] == row["trend_max_ms"] and abs(row["trend_ms"]) < 1000 * 2
+        assert (row["deadline_misses"] > 0) == (row["latency_max_ms"] > 100)  # the 100 ms budget
+        # a difference of two means of latencies, none of them below -80 ms (no answer before its input)
+        assert row["trend_ms"] == row["trend_max_ms"] and abs(row["trend_ms"]) <= row["latency_max_ms"] + 80
     # every frame the clients received went out once: 50 latencies, 48 gaps and jitters, 2 first frames, 2 trends
     assert sample(page, "voicechat_frame_latency_seconds_count") == 50
     assert sample(page, "voicechat_frame_gap_seconds_count") == sample(page, "voicechat_frame_jitter_seconds_count")
