@@ -45,16 +45,20 @@ from urllib.parse import urlsplit
 import numpy as np
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
+from orchestrator import web
 from orchestrator.audio import to_pcm16
 from orchestrator.latency import LatencyTracker, add_budget_flag
+from orchestrator.tokens import SUBPROTOCOL, EphemeralTokens, TooManyTokens, offered_token
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 
 log = logging.getLogger(__name__)
 
 REALTIME_PATH = "/v1/realtime"
+SESSIONS_PATH = REALTIME_PATH + "/sessions"  # POST: a short-lived token for a browser (orchestrator/tokens.py)
 PCM16_SCALE_IN = 32768.0  # append payloads decode as int16 / 32768
 PCM16_SCALE_OUT = 32767.0  # response.audio.delta encodes round(clip(x, -1, 1) * 32767), as the reference does
 MIB = 1 << 20
@@ -250,17 +254,20 @@ def _audio_format(rate: int) -> dict:
 class RealtimeServer:
     """The gateway on `host:port` (0 picks a free port; `port` holds the bound one once started).
 
-    api_key: when set, the upgrade must carry `Authorization: Bearer <key>` (401 otherwise).
+    api_key: when set, the upgrade must carry `Authorization: Bearer <key>` or a token from
+        POST /v1/realtime/sessions in its subprotocols (401 otherwise); tokens live `token_ttl_s` seconds.
     allowed_origins: None accepts every Origin; otherwise a browser Origin not listed gets 403 ("*" allows all).
         A request without Origin is a non-browser client and is accepted.
     api_prefix: prepended to /v1/realtime (e.g. "/api" serves /api/v1/realtime); other paths get 404.
+        The browser client's page is served at {api_prefix}/ (orchestrator/web/).
     metrics: where the gateway counts its sessions, frames and errors (a Metrics of its own when None); its frame
         budget becomes the factory's frame duration.
     """
 
     def __init__(self, factory: SessionFactory, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_origins: Sequence[str] | None = None, api_prefix: str = "",
-                 max_sessions: int = 1, limits: RealtimeLimits | None = None, metrics: Metrics | None = None):
+                 max_sessions: int = 1, limits: RealtimeLimits | None = None, metrics: Metrics | None = None,
+                 token_ttl_s: float = 60.0):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         if api_key is not None and not api_key:
@@ -270,7 +277,9 @@ class RealtimeServer:
         self.port = port
         self.api_key = api_key
         self.allowed_origins = None if allowed_origins is None else {_normal_origin(o) for o in allowed_origins}
-        self.path = normal_prefix(api_prefix) + REALTIME_PATH
+        self.prefix = normal_prefix(api_prefix)
+        self.path = self.prefix + REALTIME_PATH
+        self.tokens = EphemeralTokens(token_ttl_s)
         self.max_sessions = max_sessions
         self.limits = limits or RealtimeLimits()
         self.live_sessions = 0  # connections holding a slot; touched only on the event loop
@@ -294,7 +303,8 @@ class RealtimeServer:
         # audio faster than real time has its pong queued behind appends we have not read yet. Dead clients are
         # found by failed sends and the idle timeout instead.
         self._server = await serve(self._handle, host, self.port, process_request=self._check_upgrade,
-                                   max_size=self.limits.max_message_bytes, compression=None, ping_timeout=None)
+                                   select_subprotocol=_select_subprotocol, max_size=self.limits.max_message_bytes,
+                                   compression=None, ping_timeout=None)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("realtime gateway on %s", self.url)
         return self
@@ -334,19 +344,52 @@ class RealtimeServer:
         if self.draining:
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
                                       "this server is shutting down; connect to another instance\n")
-        if urlsplit(request.path).path != self.path:
+        route = urlsplit(request.path).path
+        if route == self.prefix + SESSIONS_PATH:
+            return self._issue_token(connection, request)
+        page = web.page_name(route, self.prefix)
+        if page is not None and request.method == "GET":
+            return web.file_response(connection, page)
+        if route != self.path:
             return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint; the realtime socket is {self.path}\n")
-        if self.api_key is not None:
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                response = connection.respond(HTTPStatus.UNAUTHORIZED,
-                                              "missing or wrong API key: send `Authorization: Bearer <key>`\n")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return response
+        if self.api_key is not None and not (self._has_key(request) or self._redeems_token(request)):
+            return _unauthorized(connection, "missing or wrong API key: send `Authorization: Bearer <key>`, or "
+                                             f"offer a token from POST {self.prefix + SESSIONS_PATH} as the "
+                                             "subprotocol openai-insecure-api-key.<token> (tokens are single-use)")
+        return self._refuse_origin(connection, request)
+
+    def _has_key(self, request: Request) -> bool:
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+    def _redeems_token(self, request: Request) -> bool:
+        offered = [p for value in request.headers.get_all("Sec-WebSocket-Protocol") for p in parse_subprotocol(value)]
+        token = offered_token(offered)
+        return token is not None and self.tokens.redeem(token)
+
+    def _refuse_origin(self, connection: ServerConnection, request: Request) -> Response | None:
         origin = request.headers.get("Origin")
         if origin is not None and not self._origin_allowed(origin):
             return connection.respond(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed on this server\n")
         return None
+
+    def _issue_token(self, connection: ServerConnection, request: Request) -> Response:
+        """POST /v1/realtime/sessions: a short-lived token for one upgrade, in OpenAI's client_secret shape."""
+        if request.method != "POST":
+            response = connection.respond(HTTPStatus.METHOD_NOT_ALLOWED, "POST here for a realtime token\n")
+            response.headers["Allow"] = "POST"
+            return response
+        refused = self._refuse_origin(connection, request)
+        if refused is not None:
+            return refused
+        if self.api_key is not None and not self._has_key(request):
+            return _unauthorized(connection, "missing or wrong API key: send `Authorization: Bearer <key>`")
+        try:
+            value, expires_at = self.tokens.issue()
+        except TooManyTokens as exc:
+            return connection.respond(HTTPStatus.TOO_MANY_REQUESTS, f"{exc}\n")
+        return web.json_response(connection, HTTPStatus.OK, {
+            "object": "realtime.session", "client_secret": {"value": value, "expires_at": expires_at}})
 
     def _origin_allowed(self, origin: str) -> bool:
         allowed = self.allowed_origins
@@ -379,6 +422,17 @@ class RealtimeServer:
 
     def _release(self) -> None:
         self.live_sessions -= 1
+
+
+def _unauthorized(connection: ServerConnection, message: str) -> Response:
+    response = connection.respond(HTTPStatus.UNAUTHORIZED, message + "\n")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _select_subprotocol(protocol, offered: Sequence[str]) -> str | None:
+    """"realtime" when offered (a browser that offers a token must get one subprotocol back), else none."""
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
 
 
 def normal_prefix(prefix: str) -> str:

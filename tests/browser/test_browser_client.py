@@ -1,0 +1,155 @@
+"""The browser client in a real browser: Debian's Chromium, headless, with a fake microphone playing
+examples/question.wav, talks to the gateway (API key and allowed origins on) over the tiny checkpoint.
+
+The fake device runs in real time and the browser's audio processing (echo cancellation, noise suppression, gain)
+changes the samples, so the page records the PCM16 it actually sent (?record=1); examples/realtime_file_client.py
+then sends those same samples with the same seed, and the page must show the same transcript, answer and function
+text and have played exactly the answer's audio, frame for frame.
+
+Needs /usr/bin/chromium (apt-get install chromium) and the Python driver (pip install '.[browser]'); without either
+the test skips and says which. VOICECHAT_SCREENSHOT=PATH saves the finished page as a PNG (docs/browser-client.png).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from orchestrator.audio import read_audio
+from orchestrator.realtime import OnlineSessionFactory, RealtimeServer
+from orchestrator.stream_clients import LocalEngines
+from tests.conftest import QUESTION_WAV, ROOT
+
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                  "--autoplay-policy=no-user-gesture-required"]
+KEY = "browser-test-key"
+PROMPT = "Be concise and answer in one sentence."
+SEED = 1
+FRAME_OUT = 1764
+MIC_SECONDS = 3.0  # the question and some silence after it
+
+sync_api = pytest.importorskip("playwright.sync_api",
+                               reason="the browser test drives Chromium with playwright: pip install '.[browser]'")
+if not CHROMIUM.exists():
+    pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium (or set CHROMIUM=PATH)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """A RealtimeServer on its own event loop in a background thread, for a synchronous browser driver."""
+
+    def __init__(self, factory, **kwargs):
+        self.server = RealtimeServer(factory, **kwargs)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> RealtimeServer:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        return self.server
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def factory(tiny_checkpoint):
+    engines = LocalEngines(tiny_checkpoint)
+    yield OnlineSessionFactory(engines.clients(), tiny_checkpoint)
+    engines.close()
+
+
+@pytest.fixture
+def microphone(tmp_path) -> Path:
+    """The fake microphone's file: the question then silence, played once (%noloop)."""
+    samples = read_audio(QUESTION_WAV, 16_000)
+    samples = np.concatenate([samples, np.zeros(round(MIC_SECONDS * 16_000) - len(samples), np.float32)])
+    path = tmp_path / "mic.wav"
+    sf.write(path, samples, 16_000, subtype="PCM_16")
+    return path
+
+
+def run_page(url: str, microphone: Path, frames: int) -> dict:
+    """Open the page, fill the settings, talk for `frames` appends, stop, and read what the page shows."""
+    with sync_api.sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=[
+            *CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={microphone}%noloop"])
+        try:
+            context = browser.new_context(viewport={"width": 980, "height": 640}, bypass_csp=True)  # eval in waits
+            page = context.new_page()
+            page.goto(url)
+            page.fill("#prompt", PROMPT)
+            page.fill("#seed", str(SEED))
+            page.fill("#key", KEY)
+            page.click("#start")
+            page.wait_for_function(f"+document.getElementById('stats').dataset.sentChunks >= {frames}"
+                                   " || document.getElementById('state').dataset.state === 'error'", timeout=120_000)
+            page.click("#stop")
+            page.wait_for_function("['finished', 'error'].includes(document.getElementById('state').dataset.state)",
+                                   timeout=120_000)
+            shown = {name: page.text_content(f"#{name}") for name in ("state", "transcript", "answer", "function",
+                                                                      "errors")}
+            shown["stats"] = page.eval_on_selector("#stats", "e => ({...e.dataset})")
+            shown["sent"] = np.frombuffer(base64.b64decode(page.evaluate("window.voicechat.sentAudio()")), "<i2")
+            if os.environ.get("VOICECHAT_SCREENSHOT"):
+                page.screenshot(path=os.environ["VOICECHAT_SCREENSHOT"])
+            return shown
+        finally:
+            browser.close()
+
+
+def file_client(url: str, samples: np.ndarray, tmp_path: Path) -> tuple[str, np.ndarray]:
+    """examples/realtime_file_client.py on `samples` (PCM16 at 16 kHz): its stdout and the answer's PCM16."""
+    source, out = tmp_path / "sent.wav", tmp_path / "answer.wav"
+    sf.write(source, samples, 16_000, subtype="PCM_16")
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "realtime_file_client.py"), url, str(source),
+                             str(out), "--system-prompt", PROMPT, "--seed", str(SEED), "--extra-seconds", "0",
+                             "--api-key", KEY], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, sf.read(out, dtype="int16")[0]
+
+
+def test_the_page_shows_and_plays_what_the_file_client_gets_for_the_same_samples(factory, microphone, tmp_path):
+    port = free_port()
+    origin = f"http://127.0.0.1:{port}"
+    frames = round(MIC_SECONDS * 16_000 / 1280)
+    with ServerThread(factory, port=port, api_key=KEY, allowed_origins=[origin]) as server:
+        shown = run_page(f"{origin}/?record=1", microphone, frames)
+        assert shown["state"] == "finished", shown["errors"]
+        assert shown["errors"] == ""
+        sent = shown["sent"]
+        stats = {name: int(value) for name, value in shown["stats"].items() if value != ""}
+        assert len(sent) == stats["sentChunks"] * 1280 and stats["sentChunks"] >= frames
+        assert np.abs(sent).max() > 1000  # the microphone's speech went out, not silence
+
+        stdout, answer = file_client(server.url, sent, tmp_path)
+
+    assert stdout.startswith(shown["answer"] + "\n")
+    assert f"\n[user] {shown['transcript']}\n" in stdout
+    assert (f"\n[function] {shown['function']}\n" in stdout) == bool(shown["function"])
+    # one answer frame per input frame, every one of them played, and none twice
+    assert len(answer) == stats["sentChunks"] * FRAME_OUT
+    assert stats["framesReceived"] == stats["sentChunks"]
+    assert stats["samplesPlayed"] == len(answer)
+    assert stats["bufferMs"] == 0
