@@ -5,14 +5,27 @@
 //   node.port.onmessage = (e) => send(e.data);   // an Int16Array of chunkSamples samples (80 ms), in order
 //   node.port.postMessage("stop");               // the processor ends; a partial chunk is dropped
 
+// Blackman-windowed sinc with cutoff r (of the input Nyquist frequency), zero beyond `halfWidth` samples.
+function kernel(x, r, halfWidth) {
+  if (x === 0) return r;
+  if (Math.abs(x) >= halfWidth) return 0;
+  const w = 0.42 + 0.5 * Math.cos(Math.PI * x / halfWidth) + 0.08 * Math.cos(2 * Math.PI * x / halfWidth);
+  const u = Math.PI * r * x;
+  return r * Math.sin(u) / u * w;
+}
+
 // Windowed-sinc resampler for any rate ratio: each output sample is the input low-passed below the output's
-// Nyquist frequency (with 10% margin) and read at its fractional position; equal rates copy samples through.
+// Nyquist frequency and read at its fractional position; equal rates copy samples through. At 16 kHz out the
+// gain is 1 (within 0.01%) to 5.5 kHz, half near 6.8 kHz, under -70 dB from 8.5 kHz; the kernel is tabulated once.
 class Resampler {
-  constructor(inRate, outRate, zeroCrossings = 8) {
+  constructor(inRate, outRate, zeroCrossings = 16, tableSteps = 128) {
     this.step = inRate / outRate; // input samples per output sample
     this.passThrough = inRate === outRate;
-    this.r = Math.min(1, outRate / inRate) * 0.9; // cutoff as a fraction of the input Nyquist frequency
-    this.halfWidth = Math.ceil(zeroCrossings / this.r); // kernel half-width in input samples
+    const r = Math.min(1, outRate / inRate) * 0.85; // cutoff as a fraction of the input Nyquist frequency
+    this.halfWidth = Math.ceil(zeroCrossings / r); // kernel half-width in input samples
+    this.tableSteps = tableSteps; // kernel samples per input sample, read with linear interpolation
+    this.table = new Float32Array(this.halfWidth * tableSteps + 2);
+    for (let i = 0; i < this.table.length - 1; i++) this.table[i] = kernel(i / tableSteps, r, this.halfWidth);
     this.buffer = new Float32Array(4096);
     this.base = 0; // absolute index of buffer[0]
     this.end = this.halfWidth; // absolute index one past the last input sample; silence before the first
@@ -20,10 +33,9 @@ class Resampler {
   }
 
   kernel(x) {
-    if (x === 0) return this.r;
-    const w = 0.42 + 0.5 * Math.cos(Math.PI * x / this.halfWidth) + 0.08 * Math.cos(2 * Math.PI * x / this.halfWidth);
-    const u = Math.PI * this.r * x;
-    return this.r * Math.sin(u) / u * w; // Blackman-windowed sinc
+    const t = Math.abs(x) * this.tableSteps;
+    const i = Math.floor(t);
+    return this.table[i] + (t - i) * (this.table[i + 1] - this.table[i]);
   }
 
   // Feeds `input` (Float32Array) and calls emit(sample) for every output sample it completes.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import socket
 import subprocess
@@ -90,33 +91,43 @@ def microphone(tmp_path) -> Path:
     return path
 
 
-def run_page(url: str, microphone: Path, frames: int) -> dict:
-    """Open the page, fill the settings, talk for `frames` appends, stop, and read what the page shows."""
+@contextlib.contextmanager
+def browser_page(microphone: Path):
+    """A new page in headless Chromium whose microphone plays `microphone` once."""
     with sync_api.sync_playwright() as driver:
         browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=[
             *CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={microphone}%noloop"])
         try:
             context = browser.new_context(viewport={"width": 980, "height": 640}, bypass_csp=True)  # eval in waits
-            page = context.new_page()
-            page.goto(url)
-            page.fill("#prompt", PROMPT)
-            page.fill("#seed", str(SEED))
-            page.fill("#key", KEY)
-            page.click("#start")
-            page.wait_for_function(f"+document.getElementById('stats').dataset.sentChunks >= {frames}"
-                                   " || document.getElementById('state').dataset.state === 'error'", timeout=120_000)
-            page.click("#stop")
-            page.wait_for_function("['finished', 'error'].includes(document.getElementById('state').dataset.state)",
-                                   timeout=120_000)
-            shown = {name: page.text_content(f"#{name}") for name in ("state", "transcript", "answer", "function",
-                                                                      "errors")}
-            shown["stats"] = page.eval_on_selector("#stats", "e => ({...e.dataset})")
-            shown["sent"] = np.frombuffer(base64.b64decode(page.evaluate("window.voicechat.sentAudio()")), "<i2")
-            if os.environ.get("VOICECHAT_SCREENSHOT"):
-                page.screenshot(path=os.environ["VOICECHAT_SCREENSHOT"])
-            return shown
+            yield context.new_page()
         finally:
             browser.close()
+
+
+def start(page, url: str, key: str) -> None:
+    page.goto(url)
+    page.fill("#prompt", PROMPT)
+    page.fill("#seed", str(SEED))
+    page.fill("#key", key)
+    page.click("#start")
+
+
+def run_page(url: str, microphone: Path, frames: int) -> dict:
+    """Open the page, fill the settings, talk for `frames` appends, stop, and read what the page shows."""
+    with browser_page(microphone) as page:
+        start(page, url, KEY)
+        page.wait_for_function(f"+document.getElementById('stats').dataset.sentChunks >= {frames}"
+                               " || document.getElementById('state').dataset.state === 'error'", timeout=120_000)
+        page.click("#stop")
+        page.wait_for_function("['finished', 'error'].includes(document.getElementById('state').dataset.state)",
+                               timeout=120_000)
+        shown = {name: page.text_content(f"#{name}") for name in ("state", "transcript", "answer", "function",
+                                                                  "errors")}
+        shown["stats"] = page.eval_on_selector("#stats", "e => ({...e.dataset})")
+        shown["sent"] = np.frombuffer(base64.b64decode(page.evaluate("window.voicechat.sentAudio()")), "<i2")
+        if os.environ.get("VOICECHAT_SCREENSHOT"):
+            page.screenshot(path=os.environ["VOICECHAT_SCREENSHOT"])
+        return shown
 
 
 def file_client(url: str, samples: np.ndarray, tmp_path: Path) -> tuple[str, np.ndarray]:
@@ -153,3 +164,18 @@ def test_the_page_shows_and_plays_what_the_file_client_gets_for_the_same_samples
     assert stats["framesReceived"] == stats["sentChunks"]
     assert stats["samplesPlayed"] == len(answer)
     assert stats["bufferMs"] == 0
+
+
+def test_a_wrong_key_and_a_foreign_origin_are_shown_plainly(factory, microphone):
+    port = free_port()
+    with ServerThread(factory, port=port, api_key=KEY, allowed_origins=[f"http://127.0.0.1:{port}"]) as server:
+        with browser_page(microphone) as page:
+            shown = []
+            for url, key in ((f"http://127.0.0.1:{port}/", "wrong"), (f"http://localhost:{port}/", KEY)):
+                start(page, url, key)
+                page.wait_for_selector("#state[data-state=error]")
+                shown.append(page.text_content("#errors"))
+        assert server.live_sessions == 0
+    assert shown == [
+        "the server refused a session token: HTTP 401 missing or wrong API key: send `Authorization: Bearer <key>`",
+        f"the server refused a session token: HTTP 403 origin http://localhost:{port} is not allowed on this server"]
