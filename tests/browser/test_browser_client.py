@@ -98,7 +98,7 @@ def browser_page(microphone: Path):
         browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=[
             *CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={microphone}%noloop"])
         try:
-            context = browser.new_context(viewport={"width": 980, "height": 640}, bypass_csp=True)  # eval in waits
+            context = browser.new_context(viewport={"width": 900, "height": 300}, bypass_csp=True)  # eval in waits
             yield context.new_page()
         finally:
             browser.close()
@@ -126,7 +126,7 @@ def run_page(url: str, microphone: Path, frames: int) -> dict:
         shown["stats"] = page.eval_on_selector("#stats", "e => ({...e.dataset})")
         shown["sent"] = np.frombuffer(base64.b64decode(page.evaluate("window.voicechat.sentAudio()")), "<i2")
         if os.environ.get("VOICECHAT_SCREENSHOT"):
-            page.screenshot(path=os.environ["VOICECHAT_SCREENSHOT"])
+            page.screenshot(path=os.environ["VOICECHAT_SCREENSHOT"], full_page=True)
         return shown
 
 
