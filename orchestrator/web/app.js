@@ -92,6 +92,7 @@ async function openMicrophone(onChunk) {
     processorOptions: {targetRate: INPUT_RATE, chunkSamples: CHUNK_SAMPLES}});
   node.port.onmessage = (event) => onChunk(event.data);
   context.createMediaStreamSource(stream).connect(node);
+  await context.resume();
   const close = () => {
     node.port.postMessage("stop");
     stream.getTracks().forEach((track) => track.stop());
@@ -133,11 +134,14 @@ async function start() {
   setState("connecting");
   const c = call = {sentAt: [], sent: [], latencies: [], framesReceived: 0, answered: false, stopped: false,
                      mic: null};
+  // the speaker's AudioContext is made now, inside the click, so no autoplay policy holds it suspended
+  const speaker = openSpeaker((report) => onPlayback(c, report));
   try {
     const token = await fetchToken($("key").value.trim());
-    c.speaker = await openSpeaker((report) => onPlayback(c, report));
+    c.speaker = await speaker;
     c.ws = new WebSocket(socketUrl(), ["realtime", `openai-insecure-api-key.${token}`]);
   } catch (error) {
+    speaker.then((opened) => opened.close(), () => {});
     fail(c, error.message);
     return;
   }
@@ -212,14 +216,15 @@ function onEvent(c, event) {
     case "response.done":
     case "response.cancelled":
       c.answered = true;
-      c.speaker.end();
+      if (c.speaker) c.speaker.end();
       setState("answered");
       break;
-    case "error":
-      showError(`${event.error.code}: ${event.error.message}`);
+    case "error": // before session.updated the conversation cannot go on (a bad setting, server_busy)
+      if (c.ready) showError(`${event.error.code}: ${event.error.message}`);
+      else fail(c, `${event.error.code}: ${event.error.message}`);
       break;
-    default:
-      if (/^(response|conversation)\.(function_call|output_item|item)/.test(event.type)) showToolCall(event);
+    default: // a tool call's other events (its result, say), whatever their names, but not its streamed deltas
+      if (event.type.includes("function_call") && !event.type.endsWith(".delta")) showToolCall(event);
   }
 }
 
@@ -232,7 +237,7 @@ function showToolCall(event) {
 }
 
 function onAudio(c, event) {
-  c.speaker.play(pcm16ToFloat(event.delta));
+  if (c.speaker) c.speaker.play(pcm16ToFloat(event.delta));
   c.framesReceived += 1;
   setStat("framesReceived", c.framesReceived);
   // The server's own measure when it sends one; else since this page sent the frame's last input sample.
@@ -267,7 +272,7 @@ function onClose(c, event) {
   c.stopped = true;
   if (c.mic) c.mic.close();
   c.mic = null;
-  if (c.answered) return;
+  if (c.answered || c.failed) return;
   if (!c.ready && event.code === 1006) {
     fail(c, "the server refused the connection: a wrong or expired token, or this page's origin is not in " +
       "--allowed-origins (the server's log says which)");

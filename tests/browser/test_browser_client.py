@@ -41,8 +41,7 @@ from tests.conftest import QUESTION_WAV, ROOT
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                  "--autoplay-policy=no-user-gesture-required"]
+                  "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
 KEY = "browser-test-key"
 PROMPT = "Be concise and answer in one sentence."
 SEED = 1
@@ -119,10 +118,10 @@ def browser_page(microphone: Path, *flags: str):
             browser.close()
 
 
-def start(page, url: str, key: str) -> None:
+def start(page, url: str, key: str, seed: int = SEED) -> None:
     page.goto(url)
     page.fill("#prompt", PROMPT)
-    page.fill("#seed", str(SEED))
+    page.fill("#seed", str(seed))
     page.fill("#key", key)
     page.click("#start")
 
@@ -181,19 +180,21 @@ def test_the_page_shows_and_plays_what_the_file_client_gets_for_the_same_samples
     assert stats["bufferMs"] == 0
 
 
-def test_a_wrong_key_and_a_foreign_origin_are_shown_plainly(factory, microphone):
+def test_a_wrong_key_a_foreign_origin_and_a_bad_setting_are_shown_plainly(factory, microphone):
     port = free_port()
     with served(factory, port=port, api_key=KEY, allowed_origins=[f"http://127.0.0.1:{port}"]) as server:
         with browser_page(microphone) as page:
             shown = []
-            for url, key in ((f"http://127.0.0.1:{port}/", "wrong"), (f"http://localhost:{port}/", KEY)):
-                start(page, url, key)
+            for url, key, seed in ((f"http://127.0.0.1:{port}/", "wrong", 0), (f"http://localhost:{port}/", KEY, 0),
+                                   (f"http://127.0.0.1:{port}/", KEY, -1)):
+                start(page, url, key, seed)
                 page.wait_for_selector("#state[data-state=error]")
                 shown.append(page.text_content("#errors"))
         assert server.live_sessions == 0
     assert shown == [
         "the server refused a session token: HTTP 401 missing or wrong API key: send `Authorization: Bearer <key>`",
-        f"the server refused a session token: HTTP 403 origin http://localhost:{port} is not allowed on this server"]
+        f"the server refused a session token: HTTP 403 origin http://localhost:{port} is not allowed on this server",
+        "session_initialization_failed: session.seed must be a non-negative integer, got -1"]
 
 
 # ------------------------------------------------------------------ events the tiny model does not make, over TLS
