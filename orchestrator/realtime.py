@@ -12,6 +12,8 @@ Each connection holds one of `max_sessions` slots from its upgrade until its ses
 1013 past them). The session's blocking calls run on the connection's own worker thread, one call at a time, in
 message order; an append is pushed in `frame_samples` slices and each slice's events are sent before the next
 slice runs. The API key and the Origin header are checked on the upgrade request, before any WebSocket exists.
+The same port serves the browser page at {prefix}/ (orchestrator/web/) and, at POST {prefix}/v1/realtime/sessions,
+the single-use tokens a browser offers in place of the key (orchestrator/tokens.py).
 The protocol, field for field, is in docs/protocol.md.
 
 `metrics` (voicechat_*{service="orchestrator"}, shared with the gRPC conversation service under `orchestrator

@@ -24,6 +24,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from http import HTTPStatus
 from pathlib import Path
 
@@ -47,6 +48,7 @@ PROMPT = "Be concise and answer in one sentence."
 SEED = 1
 FRAME_OUT = 1764
 MIC_SECONDS = 3.0  # the question and some silence after it
+ENDED = "#state[data-state=finished], #state[data-state=error]"
 
 sync_api = pytest.importorskip("playwright.sync_api",
                                reason="the browser test drives Chromium with playwright: pip install '.[browser]'")
@@ -112,7 +114,7 @@ def browser_page(microphone: Path, *flags: str):
         browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=[
             *CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={microphone}%noloop", *flags])
         try:
-            context = browser.new_context(viewport={"width": 900, "height": 300}, bypass_csp=True)  # eval in waits
+            context = browser.new_context(viewport={"width": 900, "height": 300})  # the page's CSP in force
             yield context.new_page()
         finally:
             browser.close()
@@ -130,11 +132,13 @@ def run_page(url: str, microphone: Path, frames: int) -> dict:
     """Open the page, fill the settings, talk for `frames` appends, stop, and read what the page shows."""
     with browser_page(microphone) as page:
         start(page, url, KEY)
-        page.wait_for_function(f"+document.getElementById('stats').dataset.sentChunks >= {frames}"
-                               " || document.getElementById('state').dataset.state === 'error'", timeout=120_000)
+        deadline = time.monotonic() + 120
+        while int(page.get_attribute("#stats", "data-sent-chunks")) < frames and time.monotonic() < deadline:
+            if page.get_attribute("#state", "data-state") == "error":
+                break
+            page.wait_for_timeout(50)
         page.click("#stop")
-        page.wait_for_function("['finished', 'error'].includes(document.getElementById('state').dataset.state)",
-                               timeout=120_000)
+        page.wait_for_selector(ENDED, timeout=120_000)
         shown = {name: page.text_content(f"#{name}") for name in ("state", "transcript", "answer", "function",
                                                                   "errors")}
         shown["stats"] = page.eval_on_selector("#stats", "e => ({...e.dataset})")
@@ -263,7 +267,7 @@ def test_over_https_the_page_uses_wss_and_shows_tool_calls_errors_and_the_server
             start(page, f"https://127.0.0.1:{port}/", "")
             page.wait_for_selector("#errors:not([hidden])")
             page.click("#stop")
-            page.wait_for_function("['finished', 'error'].includes(document.getElementById('state').dataset.state)")
+            page.wait_for_selector(ENDED)
             shown = {name: page.text_content(f"#{name}") for name in ("state", "transcript", "answer", "function",
                                                                       "tools", "errors")}
             stats = page.eval_on_selector("#stats", "e => ({...e.dataset})")
