@@ -5,6 +5,7 @@
 //   node.port.postMessage({type: "audio", samples});   // a Float32Array at the context's rate (22050 Hz)
 //   node.port.postMessage({type: "end"});              // no more audio: play out what is left
 //   node.port.onmessage = (e) => e.data;   // {played, depth, underruns, dropped, drained} every ~50 ms
+//                                          // (processorOptions.reportEverySamples)
 //
 // Playback starts (and restarts after running dry) only once `prebufferSamples` are queued, so network jitter
 // up to that much does not click; after "end" the rest plays whatever its length. `played` counts answer
@@ -13,8 +14,10 @@
 class PlaybackProcessor extends AudioWorkletProcessor {
   constructor(options) {
     super();
-    const {prebufferSamples = 3528, capacitySamples = 60 * sampleRate} = options.processorOptions || {};
+    const {prebufferSamples = 3528, capacitySamples = 60 * sampleRate, reportEverySamples = sampleRate / 20} =
+      options.processorOptions || {};
     this.prebuffer = prebufferSamples;
+    this.reportEvery = reportEverySamples;
     this.ring = new Float32Array(capacitySamples);
     this.read = 0; // absolute sample counts; the ring holds [read, write)
     this.write = 0;
@@ -57,7 +60,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
       }
     }
     this.sinceReport += out.length;
-    if (this.sinceReport >= sampleRate / 20) {
+    if (this.sinceReport >= this.reportEvery) {
       this.sinceReport = 0;
       this.port.postMessage({played: this.read - this.dropped, depth, underruns: this.underruns,
                              dropped: this.dropped, drained: this.ending && depth === 0});
