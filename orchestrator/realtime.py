@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHeader
 from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
@@ -365,7 +365,11 @@ class RealtimeServer:
         return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
 
     def _redeems_token(self, request: Request) -> bool:
-        offered = [p for value in request.headers.get_all("Sec-WebSocket-Protocol") for p in parse_subprotocol(value)]
+        try:
+            offered = [p for value in request.headers.get_all("Sec-WebSocket-Protocol")
+                       for p in parse_subprotocol(value)]
+        except InvalidHeader:  # a malformed header carries no token
+            return False
         token = offered_token(offered)
         return token is not None and self.tokens.redeem(token)
 

@@ -157,6 +157,17 @@ def test_a_token_does_not_pass_the_origin_check_and_the_key_still_works_alone():
     assert serve(scenario, api_key=KEY, allowed_origins=["https://app.example"]) == [(403, None), (101, None)]
 
 
+def test_a_malformed_subprotocol_header_is_401_not_a_server_error():
+    async def scenario(server):
+        status, _, body = await request(server, "GET", "/v1/realtime", Connection="Upgrade", Upgrade="websocket",
+                                        **{"Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                                           "Sec-WebSocket-Version": "13", "Sec-WebSocket-Protocol": "realtime,,@"})
+        return status, body
+
+    status, body = serve(scenario, api_key=KEY)
+    assert status == 401 and b"single-use" in body
+
+
 def test_without_a_key_tokens_are_issued_and_the_socket_is_open_to_all():
     async def scenario(server):
         token = await token_for(server)
