@@ -10,6 +10,7 @@ All calls must come from one thread (the service's EngineThread): MLX evaluation
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from services.common import layers, split_matmul
 from services.common.batching import raise_first
+from services.common.cache import STACK_ALL, StatePools, group_by_signature, stack_limit
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
@@ -31,6 +33,7 @@ from services.llm.nemotron_h import (
     KVCache,
     LayerCache,
     Mamba2Mixer,
+    MambaCache,
     NemotronH,
 )
 
@@ -148,89 +151,6 @@ class LanguageSession:
                              f"got {str(audio.dtype).rpartition('.')[2]} of shape {tuple(audio.shape)}")
 
 
-@dataclass
-class _StatePool:
-    """The stacked Mamba states a batched step left (B rows each, in `BatchedStep.mamba_layers` order as
-    [conv, ssm, ...]) and the row views of them it handed its sessions.
-
-    While every session still holds exactly those views (a solo step or a close replaces them), the next batch
-    of the same sessions takes the stacks as they are: no per-session concatenation of states each step. A
-    batch of some of them (the others' frames not due yet) keeps the pool whole for the next batch of all: at
-    least `MASKED_SHARE` of them step over every row, the others' rows passed through unchanged; fewer take
-    their rows from the stacks and write them back."""
-
-    sessions: tuple[LanguageSession, ...]
-    stacked: list[mx.array]
-    rows: list[list[mx.array]]  # rows[b]: session b's views of `stacked`
-
-    def holds(self, b: int, layers: list[int]) -> bool:
-        """Whether session b's Mamba states are still this pool's rows."""
-        current = _mamba_states(self.sessions[b], layers)
-        return len(current) == len(self.rows[b]) and all(x is y for x, y in zip(current, self.rows[b], strict=True))
-
-    def intact(self, layers: list[int]) -> bool:
-        return all(self.holds(b, layers) for b in range(len(self.sessions)))
-
-    def rows_of(self, sessions: Sequence[LanguageSession]) -> list[int] | None:
-        """Each session's row in the stacks, when every one is this pool's."""
-        where = {s.session_id: b for b, s in enumerate(self.sessions)}
-        rows = [where.get(s.session_id) for s in sessions]
-        return None if None in rows else rows
-
-    @classmethod
-    def handing(cls, sessions: Sequence[LanguageSession], stacked: list[mx.array], layers: list[int]) -> _StatePool:
-        """The pool of `stacked` (row b session b's), each session handed its views of them as its states."""
-        pool = cls(tuple(sessions), stacked, [])
-        pool._hand(layers)
-        return pool
-
-    def write_rows(self, rows: list[int], states: list[mx.array], layers: list[int]) -> None:
-        """Put a batch of some of the pool's sessions' new states (len(rows) rows each) into the stacks at `rows`,
-        and hand every session its views of the new stacks (the others' rows are as they were)."""
-        at = mx.array(rows)
-        for stack, new in zip(self.stacked, states, strict=True):
-            stack[at] = new
-        self._hand(layers)
-
-    def _hand(self, layers: list[int]) -> None:
-        b = len(self.sessions)
-        self.rows = [list(r) for r in zip(*(mx.split(stack, b, axis=0) for stack in self.stacked), strict=True)]
-        for session, own in zip(self.sessions, self.rows, strict=True):
-            for n, i in enumerate(layers):
-                session.caches[i].conv, session.caches[i].ssm = own[2 * n], own[2 * n + 1]
-
-    def detach(self, keep: set[int], layers: list[int]) -> list[mx.array]:
-        """Give each session not in `keep` that still holds its rows its own copies (a view would keep every
-        row of the stack alive); returns the copies to evaluate."""
-        copies = []
-        for b, session in enumerate(self.sessions):
-            if session.session_id in keep or not self.holds(b, layers):
-                continue
-            for i in layers:
-                cache = session.caches[i]
-                cache.conv, cache.ssm = mx.contiguous(cache.conv), mx.contiguous(cache.ssm)
-                copies += [cache.conv, cache.ssm]
-        return copies
-
-
-def _split_groups(groups: dict[tuple, list[int]], solo: list[int], order) -> list[list[int]]:
-    """Groups of two or more entries, each sorted by `order`; a group of one joins `solo` (in place)."""
-    batched = []
-    for members in groups.values():
-        if len(members) == 1:
-            solo += members
-        else:
-            batched.append(sorted(members, key=order))
-    return batched
-
-
-def _mamba_states(session: LanguageSession, layers: list[int]) -> list[mx.array]:
-    """[conv, ssm] of each Mamba layer in `layers`; [] once the session is closed."""
-    if not session.caches:
-        return []
-    return [a for i in layers for a in (session.caches[i].conv, session.caches[i].ssm)]
-
-
 Step = tuple[LanguageSession, mx.array, bool, int | None]
 
 
@@ -245,7 +165,11 @@ class LanguageEngine:
         self.max_prompt_tokens = max_prompt_tokens
         self._sessions: dict[int, LanguageSession] = {}
         self._ids = itertools.count(1)
-        self._pools: dict[tuple[int, ...], _StatePool] = {}  # by the session ids of a batched group
+        # the Mamba states of the last batches, stacked, by their sessions (`_mamba_holders` gives the order)
+        self._pools = StatePools(lambda s: s.session_id, self._mamba_holders, MASKED_SHARE)
+        # attention caches of at most this many keys are stacked into groups in a batched step: on a GPU all of
+        # them (the group saves every session's own write and attention), on the CPU none (reads in place)
+        self.stack_up_to = stack_limit(STACK_ALL)
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
@@ -339,8 +263,7 @@ class LanguageEngine:
     def close_session(self, session: LanguageSession) -> None:
         """Free the session's caches; closing twice is a no-op."""
         session.closed = True
-        for key in [key for key in self._pools if session.session_id in key]:
-            del self._pools[key]  # its other sessions' views keep the stack only until they step again
+        self._pools.drop(session.session_id)
         session.caches.clear()
         session.history.clear()
         self._sessions.pop(session.session_id, None)
@@ -404,32 +327,24 @@ class LanguageEngine:
         enough to flip a near-tied argmax); quantized matmuls are per-row exact."""
         if len({id(step[0]) for step in steps}) != len(steps):
             raise ValueError("a session appears twice in one batch")
+
+        def signature(step: Step) -> tuple | None:
+            session, audio, _, frame_index = step
+            if len(steps) == 1 or not self._batchable(session) or self._rejects(session, audio, frame_index):
+                return None  # alone: a bad entry's step raises there, touching nothing
+            return self._signature(session)
+
+        batched, solo = group_by_signature(steps, signature, lambda step: step[0].session_id)
         results: list[StepOutput | Exception | None] = [None] * len(steps)
-        groups: dict[tuple, list[int]] = {}
-        solo: list[int] = []
-        for i, (session, audio, _, frame_index) in enumerate(steps):
-            if len(steps) == 1 or not self._batchable(session):
-                solo.append(i)
-                continue
-            try:
-                session.check_step(audio, frame_index)
-            except (ValueError, LimitExceeded) as exc:
-                results[i] = exc
-                continue
-            groups.setdefault(self._signature(session), []).append(i)
-        batched = _split_groups(groups, solo, lambda i: steps[i][0].session_id)
-        for i in sorted(solo):
+        for i in solo:
             try:
                 results[i] = steps[i][0].step(*steps[i][1:])
             except (ValueError, LimitExceeded) as exc:
                 results[i] = exc
-        if batched:
-            to_eval = self._settle_pools([[steps[i][0] for i in members] for members in batched])
-            finishes = [self._step_group([steps[i] for i in members], to_eval) for members in batched]
-            mx.eval(to_eval)
-            for members, finish in zip(batched, finishes, strict=True):
-                for i, out in zip(members, finish(), strict=True):
-                    results[i] = out
+        for members, outputs in zip(batched, self._run_groups([[steps[i] for i in m] for m in batched]),
+                                    strict=True):
+            for i, out in zip(members, outputs, strict=True):
+                results[i] = out
         return results  # type: ignore[return-value]
 
     def prefill_batch(self, sessions: Sequence[LanguageSession]) -> list[Exception | None]:
@@ -440,26 +355,22 @@ class LanguageEngine:
         if len({id(s) for s in sessions}) != len(sessions):
             raise ValueError("a session appears twice in one batch")
         results: list[Exception | None] = [None] * len(sessions)
-        groups: dict[tuple, list[int]] = {}
-        solo: list[int] = []
         for i, session in enumerate(sessions):
             if session.closed or not session.prompt_pending:
                 results[i] = ValueError(f"session {session.session_id} has no prompt rows left to feed")
-            elif len(sessions) == 1 or not self._batchable(session):
-                solo.append(i)
-            else:
-                groups.setdefault((self._signature(session), session.prompt_embeds.dtype), []).append(i)
-        batched = _split_groups(groups, solo, lambda i: sessions[i].session_id)
-        for i in sorted(solo):
-            sessions[i].feed_prompt_row()
-        if batched:
-            to_eval = self._settle_pools([[sessions[i] for i in members] for members in batched])
-            rows = [[(s, s.prompt_embeds[s.prompt_positions], False, None) for s in (sessions[i] for i in members)]
-                    for members in batched]
-            finishes = [self._step_group(group, to_eval, heads=False) for group in rows]
-            mx.eval(to_eval)
-            for finish in finishes:
-                finish()
+
+        def signature(session: LanguageSession) -> tuple | None:
+            if len(sessions) == 1 or not self._batchable(session) or not session.prompt_pending:
+                return None
+            return self._signature(session), session.prompt_embeds.dtype
+
+        batched, solo = group_by_signature(sessions, signature, lambda s: s.session_id)
+        for i in solo:
+            if results[i] is None:
+                sessions[i].feed_prompt_row()
+        rows = [[(s, s.prompt_embeds[s.prompt_positions], False, None) for s in (sessions[i] for i in members)]
+                for members in batched]
+        self._run_groups(rows, heads=False)
         return results
 
     def _batchable(self, session: LanguageSession) -> bool:
@@ -472,92 +383,60 @@ class LanguageEngine:
         prefix keeps its attention caches in bf16, and its conv tails until the first f32 step)."""
         return tuple(a.dtype for c in session.caches if c is not None for a in c.arrays())
 
-    def _settle_pools(self, groups: list[list[LanguageSession]]) -> list[mx.array]:
-        """Drop every pool that this call's groups do not reuse intact (whole, or one group taking some of its
-        sessions), or that a session of theirs has left; returns copies for the sessions they leave behind (to
-        evaluate with the batch)."""
-        layers = self.model.batched_step.mamba_layers
-        grouped = {s.session_id for group in groups for s in group}
-        copies: list[mx.array] = []
-        for key, pool in list(self._pools.items()):
-            touching = [group for group in groups if any(s.session_id in key for s in group)]
-            if pool.intact(layers) and (not touching or (len(touching) == 1
-                                                         and pool.rows_of(touching[0]) is not None)):
-                continue
-            del self._pools[key]
-            copies += pool.detach(grouped, layers)
-        return copies
+    @staticmethod
+    def _rejects(session: LanguageSession, audio: mx.array, frame_index: int | None) -> bool:
+        try:
+            session.check_step(audio, frame_index)
+        except (ValueError, LimitExceeded):
+            return True
+        return False
 
-    def _pool_holding(self, sessions: Sequence[LanguageSession]) -> tuple[_StatePool | None, list[int] | None]:
-        """The pool whose sessions include every one of `sessions`, with their rows in its stacks (after
-        `_settle_pools` such a pool is intact)."""
-        for pool in self._pools.values():
-            rows = pool.rows_of(sessions)
-            if rows is not None:
-                return pool, rows
-        return None, None
+    def _mamba_holders(self, session: LanguageSession) -> list[MambaCache]:
+        """The session's Mamba caches, in `BatchedStep.mamba_layers` order: the states a batched step takes."""
+        return [session.caches[i] for i in self.model.batched_step.mamba_layers]
+
+    def _run_groups(self, groups: list[list[Step]], heads: bool = True) -> list[list[StepOutput | None]]:
+        """Each group's batched step (every entry checked already), all evaluated at once; each group's outputs
+        (without `heads`, prompt rows: counted as fed, no outputs)."""
+        if not groups:
+            return []
+        to_eval = self._pools.settle([[step[0] for step in steps] for steps in groups])
+        finishes = [self._step_group(steps, to_eval, heads) for steps in groups]
+        mx.eval(to_eval)
+        return [finish() for finish in finishes]
 
     def _step_group(self, steps: list[Step], to_eval: list[mx.array], heads: bool = True):
-        """Build one group's batched step (every entry checked already), appending what to evaluate to
-        `to_eval`; returns the function that, after evaluation, advances the sessions and gives the outputs.
-        Without `heads` the rows are prompt rows: the finish counts them as fed and gives no outputs."""
-        sessions = tuple(step[0] for step in steps)
-        hidden = self.model.hidden_size
-        batched = self.model.batched_step
-        layers = batched.mamba_layers
-        key = tuple(s.session_id for s in sessions)
-        pool = self._pools.get(key)
-        holder, held = (None, None) if pool is not None else self._pool_holding(sessions)
-        # rows[i]: entry i's row of the forward; active: the rows that step, when some of a pool's do not
-        rows, active = list(range(len(steps))), None
-        if holder is not None and MASKED_SHARE * len(holder.sessions) <= len(sessions):
-            rows, active, pool, holder = held, sorted(held), holder, None
-        if pool is not None:
-            states, members = pool.stacked, pool.sessions
-        elif holder is not None:  # some of a pool's sessions: their rows of its stacks
-            at = mx.array(held)
-            states, members = [mx.take(stack, at, axis=0) for stack in holder.stacked], sessions
-        else:
-            per_session = [_mamba_states(s, layers) for s in sessions]
-            states = [mx.concatenate(parts, axis=0) for parts in zip(*per_session, strict=True)]
-            members = sessions
-        b = len(members)
-        audio_rows = [step[1] for step in steps]
-        if active is not None:  # the rows sitting out get zeros (their outputs are not used)
-            audio_rows = [mx.zeros_like(audio_rows[0])] * b
-            for row, step in zip(rows, steps, strict=True):
-                audio_rows[row] = step[1]
+        """Gather one group's states, run its batched step, scatter the new states back, appending what to
+        evaluate to `to_eval`; returns the function that, after evaluation, advances the sessions."""
+        sessions = [step[0] for step in steps]
+        batch = self._pools.gather(sessions)
+        b, members = len(batch.members), batch.members
+        audio = mx.stack(batch.place([step[1] for step in steps], mx.zeros_like(steps[0][1])))
         prev_text = mx.array([[s.prev_text] for s in members], dtype=mx.int32)
         prev_function = mx.array([[s.prev_function] for s in members], dtype=mx.int32)
-        audio = mx.stack(audio_rows).reshape(b, 1, hidden)
-        out, states = batched(prev_text, audio, prev_function, states, [s.caches for s in members], heads, active)
-        if holder is not None:
-            holder.write_rows(held, states, layers)
-            states = holder.stacked
-        else:
-            self._pools[tuple(s.session_id for s in members)] = _StatePool.handing(members, states, layers)
+        out, states = self.model.batched_step(prev_text, audio.reshape(b, 1, -1), prev_function, batch.states,
+                                              [s.caches for s in members], heads, batch.active, self.stack_up_to)
+        to_eval += [*self._pools.scatter(batch, states), *out]
+        to_eval += [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
         for session in sessions:
             session.positions += 1
-        kv = [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
-        to_eval += [*states, *kv, *out]
-        if not heads:
-            def fed() -> list[None]:
-                for session in sessions:
-                    session.prompt_positions += 1
-                return [None] * len(sessions)
+        return functools.partial(self._finish, steps, batch.rows, out) if heads else functools.partial(_fed, sessions)
 
-            return fed
+    @staticmethod
+    def _finish(steps: list[Step], rows: list[int], out: tuple[mx.array, ...]) -> list[StepOutput]:
+        """After evaluation: each entry's ids (and logits when asked) from its row, the session advanced."""
         text_logits, function_logits, ids = out
+        every, outputs = ids.tolist(), []
+        for row, (session, _, return_logits, _) in zip(rows, steps, strict=True):
+            session.prev_text, session.prev_function = every[row]
+            session.frames += 1
+            logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()
+            outputs.append(StepOutput(session.prev_text, session.prev_function, *logits))
+        return outputs
 
-        def finish() -> list[StepOutput]:
-            outputs = []
-            every = ids.tolist()
-            for row, (session, _, return_logits, _) in zip(rows, steps, strict=True):
-                text_id, function_id = every[row]
-                session.prev_text, session.prev_function = text_id, function_id
-                session.frames += 1
-                logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()
-                outputs.append(StepOutput(text_id, function_id, *logits))
-            return outputs
 
-        return finish
+def _fed(sessions: list[LanguageSession]) -> list[None]:
+    """After evaluation of a batch of prompt rows: each counted as fed."""
+    for session in sessions:
+        session.prompt_positions += 1
+    return [None] * len(sessions)

@@ -22,21 +22,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from services.common.cache import GroupedCache, Plan, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
-from services.common.kv_group import GroupedCache, LayerGroup, Plan
 from services.common.layers import Embedding, Linear, as_stored
 
 SSM_CHUNK = 256  # positions per block of the chunked state-space form
 KV_STEP = 256  # attention cache grows in blocks of this many positions
 WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
-
-
-def grouping() -> bool:
-    """Whether batched sessions keep their attention caches grouped: on a GPU, where a step is many small
-    kernels and the group saves every session's own write and attention; on the CPU each cache is read in
-    place (a group's attention over keys padded to the longest cache costs arithmetic there)."""
-    return mx.default_device().type == mx.gpu
 
 
 # ---- caches ------------------------------------------------------------------------------------------------
@@ -49,6 +42,15 @@ class MambaCache:
     conv: mx.array | None = None
     ssm: mx.array | None = None
 
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """(conv, ssm): the rows a batched step stacks (`services.common.cache.StatePools`)."""
+        return self.conv, self.ssm
+
+    @state.setter
+    def state(self, state: tuple[mx.array, mx.array]) -> None:
+        self.conv, self.ssm = state
+
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.conv, self.ssm) if a is not None]
 
@@ -57,7 +59,8 @@ class KVCache(GroupedCache):
     """Per-layer attention keys/values (B, kv_heads, capacity, head_dim), grown KV_STEP positions at a time.
 
     The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later f32 keys in bf16,
-    exactly as the reference's cache does). Sessions batched together may keep it as rows of a `LayerGroup`."""
+    exactly as the reference's cache does). Sessions batched together may keep it as rows of a `LayerGroup`
+    (`services.common.cache.attend_sessions`)."""
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys, values: (B, kv_heads, L, head_dim) -> everything cached so far, (B, kv_heads, offset, head_dim)."""
@@ -319,19 +322,6 @@ class Attention:
         mask = "causal" if q.shape[2] > 1 else None
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
 
-    def attend_sessions(self, q: mx.array, k: mx.array, v: mx.array, caches: list[KVCache]) -> mx.array:
-        """One position of several sessions, row b of q, k, v (B, heads, 1, Dh) session b's with caches[b]:
-        each row's `attend` over its own cache. With `grouping()`, sessions that step together again, all or
-        some of them, keep their caches grouped (one write and one attention for all; see
-        services.common.kv_group)."""
-        held = LayerGroup.holding(caches) if len(caches) > 1 and grouping() else None
-        if held is not None and (plans := held[0].plans(held[1])) is not None:  # all or some of a group's members
-            return held[0].step(q, k, v, plans, self.head_dim**-0.5, held[1])
-        rows = [self.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], cache) for b, cache in enumerate(caches)]
-        if len(caches) > 1 and grouping() and LayerGroup.can_form(caches):
-            LayerGroup(caches, 1)  # their next step together takes the grouped path
-        return mx.concatenate(rows, axis=0)
-
     def output(self, out: mx.array) -> mx.array:
         """out: (B, heads, L, Dh) -> (B, L, D)."""
         b, _, length, _ = out.shape
@@ -567,8 +557,8 @@ class CachedStep:
 
 class BatchedStep(CachedStep):
     """`CachedStep` for B sessions at one position each: the pieces run once over their rows stacked along
-    axis 0, and each attention layer between them runs per session on that session's own cache, or, on a GPU,
-    once for all over the group their caches form after their first step together (`attend_sessions`).
+    axis 0, and each attention layer between them writes each session's keys to its own cache and attends
+    over each, in place or stacked as the caller's `stack_up_to` says (`services.common.cache.attend_sessions`).
 
     Per-session attention keeps every row exact (the same cache write and attention call as the solo step); a
     group stacks the caches once and then writes them in place, so no step copies them. Attention layers are
@@ -586,8 +576,8 @@ class BatchedStep(CachedStep):
         return [i for i, block in enumerate(self.blocks) if block.kind == "M"]
 
     def __call__(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array, states: list[mx.array],
-                 caches: list[list[LayerCache]], heads: bool = True, active: Sequence[int] | None = None
-                 ) -> tuple[tuple[mx.array, ...], list[mx.array]]:
+                 caches: list[list[LayerCache]], heads: bool = True, active: Sequence[int] | None = None,
+                 stack_up_to: int = 0) -> tuple[tuple[mx.array, ...], list[mx.array]]:
         """prev_text, prev_function: (B, 1) int32; audio: (B, 1, D); states: [conv (B, K-1, C), ssm (B, H, P, N)]
         per Mamba layer in stack order, row b being session b's; caches: each session's layer caches, whose
         attention caches advance in place (their Mamba caches are not read or written here).
@@ -598,13 +588,14 @@ class BatchedStep(CachedStep):
         went in (selected, not recomputed; a bf16 conv tail widened to float32 where the active rows' first
         float32 row widens theirs, which no later step can tell apart), their attention caches are not touched,
         and their outputs are meaningless. Each active row's results are those of a batch of the active rows
-        alone: every op but attention is row by row, and attention runs over the active rows' caches only."""
+        alone: every op but attention is row by row, and attention runs over the active rows' caches only.
+        Attention caches of at most `stack_up_to` keys attend stacked (see `attend_sessions`)."""
         carried: tuple[mx.array, ...] = (prev_text, audio, prev_function)
         keep = None
         if active is not None:
             mask = np.zeros(prev_text.shape[0], bool)
             mask[list(active)] = True
-            keep, at = mx.array(mask), mx.array(np.asarray(active, np.uint32))
+            keep = mx.array(mask)
             caches = [caches[r] for r in active]
         pending, updated = iter(states), []
         for k, piece in enumerate(self.pieces):
@@ -614,11 +605,6 @@ class BatchedStep(CachedStep):
             updated += out
             if end < len(self.blocks):
                 x, q, k_new, v_new = carried
-                mixer, layer = self.blocks[end].mixer, [c[end] for c in caches]
-                if keep is None:
-                    attended = mixer.attend_sessions(q, k_new, v_new, layer)
-                else:  # the active rows' attention, put back at their rows (zeros at the others)
-                    attended = mx.zeros(q.shape, q.dtype)
-                    attended[at] = mixer.attend_sessions(q[at], k_new[at], v_new[at], layer)
-                carried = (x, attended)
+                layer, scale = [c[end] for c in caches], self.blocks[end].mixer.head_dim**-0.5
+                carried = (x, attend_sessions(q, k_new, v_new, layer, scale, stack_up_to, active))
         return carried, updated

@@ -22,10 +22,10 @@ import numpy as np
 
 from services.common import split_matmul
 from services.common.batching import raise_first
+from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, route_split_matmuls, widen
-from services.common.rows import RowSources
 from services.perception.conformer import Conformer, Conv, LayerNorm
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (

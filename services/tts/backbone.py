@@ -10,13 +10,10 @@ over keys is order-sensitive in the last bit:
 
 Several sessions' single-frame steps run as one batch: rows 2i and 2i + 1 are session i's (its caches hold
 those two rows) and each session's keys are written to its own caches. Per layer, the sessions whose caches
-hold at most `stack_limit()` keys attend together over their keys stacked and zero-padded to the longest (the
-padding masked out: copies, one attention); every longer cache is read in place by an attention of its own.
-Stacked caches stay stacked, as the rows of a `LayerGroup`: while the same sessions step together, or some of
-them (the others' frames not due yet), each step writes their keys with one scatter and attends once, with no
-copies:
+hold at most `stack_up_to` keys (the engine's policy) attend together over their keys stacked, the others in
+place (`services.common.cache.attend_sessions`):
 
-    h = backbone.step_batch(x, [caches_0, caches_1])   # x: (2 * sessions, 1, D) -> (2 * sessions, 1, D)
+    h = backbone.step_batch(x, [caches_0, caches_1], stack_up_to)   # x: (2 * sessions, 1, D) -> same
 """
 
 from __future__ import annotations
@@ -27,30 +24,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from services.common.cache import GroupedCache, Plan, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
-from services.common.kv_group import GroupedCache, LayerGroup, Plan, length_mask
 from services.common.layers import Linear, Projections
 from services.tts.blocks import GatedMLP, GemmaRMSNorm
 
 _GROW = 256  # cache growth step, as the reference's caches allocate
-
-# A batched step's attention, per layer: the sessions whose caches hold at most this many keys attend together
-# over their keys copied into one padded array; every longer cache is read in place by an attention of its own.
-# On a GPU, dispatch-bound (and for the full model's head_dim of 72 MLX has no fused single-query kernel: an
-# attention is ~4 kernels), a session read in place costs ~3 kernels more than stacked (its attention and the
-# copy of its output against the copies of its keys and values): 30-60 us at 10-20 us a kernel. Stacking copies
-# 18.4 KB a key (2 rows x 16 heads x 72 dims x 4 bytes, keys and values), written and read again: 9-15 ns a key
-# at 2.5-4 TB/s. They break even at ~2,000-6,500 keys; this limit sits at the low end, so a step's copies stay
-# bounded (16 sessions: at most 0.6 GB a layer) and long conversations read their caches in place.
-# On the CPU kernels are cheap and copies slow: every cache is read in place there.
-STACK_KEYS_GPU = 2048
-
-
-def stack_limit() -> int:
-    """The most keys a cache may hold to be stacked in a batched step on the default device."""
-    return STACK_KEYS_GPU if mx.default_device().type == mx.gpu else 0
-
 
 class FullCache(GroupedCache):
     """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
@@ -209,64 +189,6 @@ class Attention:
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: FullCache | RingCache) -> mx.array:
         return self.output(self.attend(x, mask, cache))
 
-    def attend_sessions(self, q: mx.array, k: mx.array, v: mx.array, caches: Sequence[FullCache | RingCache],
-                        stack_up_to: int) -> mx.array:
-        """One query position of several sessions: q, k, v (R, heads, 1, head_dim), rows r // per of session
-        caches[r // per] -> (R, heads, 1, head_dim). Each session's k, v are written to its own cache.
-
-        Caches of at most `stack_up_to` keys attend together over their keys stacked and padded; every other
-        one over its own keys in place (the solo step's attention), its output copied into place."""
-        per = q.shape[0] // len(caches)
-        held = LayerGroup.holding(caches)
-        if held is not None:  # sessions of the last step's group, all, some or one: one write, no copies
-            group, index = held
-            plans = group.plans(index)
-            if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
-                return group.step(q, k, v, plans, self.scale, index)
-        seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per])
-                for i, cache in enumerate(caches)]
-        lengths = [sk.shape[2] for sk, _ in seen]
-        stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to]
-        if len(caches) == 1:  # read in place, as in the solo step
-            sk, sv = seen[0]
-            return mx.fast.scaled_dot_product_attention(q, sk, sv, scale=self.scale)
-        if len(stacked) == len(caches):  # stacked once into a group, which their next steps write in place
-            return LayerGroup(caches, per).attend(q, lengths, self.scale)
-        pieces = {}
-        if len(stacked) > 1:
-            rows = mx.array([i * per + r for i in stacked for r in range(per)])
-            together = self._attend_stacked(q[rows], [seen[i] for i in stacked], [caches[i] for i in stacked], per)
-            pieces = {i: together[j * per : (j + 1) * per] for j, i in enumerate(stacked)}
-        # a single query sees every key of its own cache, as in the solo step: no mask
-        return mx.concatenate([pieces[i] if i in pieces else
-                               mx.fast.scaled_dot_product_attention(q[i * per : (i + 1) * per], sk, sv,
-                                                                    scale=self.scale)
-                               for i, (sk, sv) in enumerate(seen)], axis=0)
-
-    def _attend_stacked(self, q: mx.array, seen: list[tuple[mx.array, mx.array]],
-                        caches: Sequence[FullCache | RingCache], per: int) -> mx.array:
-        """Attention of q's sessions over their visible keys `seen` stacked, zero-padded to the longest, the
-        padding masked -> (len(seen) * per, H, 1, Dh)."""
-        lengths = [sk.shape[2] for sk, _ in seen]
-        width = max(lengths)
-        pairs = list(zip(seen, caches, strict=True))
-        keys = mx.concatenate([_padded(sk, cache.keys, width) for (sk, _), cache in pairs], axis=0)
-        values = mx.concatenate([_padded(sv, cache.values, width) for (_, sv), cache in pairs], axis=0)
-        # a single query sees every key of its own cache, as in the solo step; only the padding is masked
-        mask = length_mask(tuple(lengths), per) if min(lengths) < width else None
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-
-
-def _padded(seen: mx.array, buffer: mx.array, width: int) -> mx.array:
-    """A cache's visible keys (a prefix of its buffer) widened to `width` keys: the buffer's next (unused,
-    masked) slots when it has them, else zeros."""
-    n = seen.shape[2]
-    if n == width:
-        return seen
-    if buffer.shape[2] >= width:
-        return buffer[..., :width, :]
-    return mx.pad(seen, [(0, 0), (0, 0), (0, width - n), (0, 0)])
-
 
 @dataclass
 class Block:
@@ -291,7 +213,7 @@ class Block:
 
     def step_batch(self, x: mx.array, caches: Sequence[FullCache | RingCache], offsets: mx.array,
                    stack_up_to: int) -> mx.array:
-        return self.tail(x, self.self_attn.attend_sessions(*self.head(x, offsets), caches, stack_up_to))
+        return self.tail(x, attend_sessions(*self.head(x, offsets), caches, self.self_attn.scale, stack_up_to))
 
 
 @dataclass
@@ -345,14 +267,13 @@ class Gemma3Backbone:
         return self.norm(x)
 
     def step_batch(self, x: mx.array, caches: Sequence[list[FullCache | RingCache]],
-                   stack_up_to: int | None = None) -> mx.array:
+                   stack_up_to: int = 0) -> mx.array:
         """x: (2S, 1, D), rows 2i and 2i + 1 of session i (caches[i]) -> (2S, 1, D); advances every cache by 1.
 
-        Per layer, caches of at most `stack_up_to` keys (default `stack_limit()`) attend stacked, the others
-        each in place."""
+        Per layer, caches of at most `stack_up_to` keys attend stacked, the others each in place
+        (`services.common.cache.attend_sessions`)."""
         per = x.shape[0] // len(caches)
-        limit = stack_limit() if stack_up_to is None else stack_up_to
         offsets = mx.array(np.repeat([own[0].offset for own in caches], per).astype(np.int32))
         for i, layer in enumerate(self.layers):
-            x = layer.step_batch(x, [own[i] for own in caches], offsets, limit)
+            x = layer.step_batch(x, [own[i] for own in caches], offsets, stack_up_to)
         return self.norm(x)

@@ -28,11 +28,11 @@ from tokenizers import Tokenizer
 
 from services.common import split_matmul
 from services.common.batching import raise_first
+from services.common.cache import RowSources, stack_limit, take_index
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
-from services.common.rows import RowSources, take_index
 from services.tts.backbone import FullCache, RingCache
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
@@ -57,6 +57,18 @@ def load_vocabulary(model_dir: Path) -> dict[str, int]:
     return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
 
 
+# A batched step's attention, per layer: the sessions whose caches hold at most this many keys attend together
+# over their keys copied into one padded array; every longer cache is read in place by an attention of its own.
+# On a GPU, dispatch-bound (and for the full model's head_dim of 72 MLX has no fused single-query kernel: an
+# attention is ~4 kernels), a session read in place costs ~3 kernels more than stacked (its attention and the
+# copy of its output against the copies of its keys and values): 30-60 us at 10-20 us a kernel. Stacking copies
+# 18.4 KB a key (2 rows x 16 heads x 72 dims x 4 bytes, keys and values), written and read again: 9-15 ns a key
+# at 2.5-4 TB/s. They break even at ~2,000-6,500 keys; this limit sits at the low end, so a step's copies stay
+# bounded (16 sessions: at most 0.6 GB a layer) and long conversations read their caches in place.
+# On the CPU kernels are cheap and copies slow: every cache is read in place there (`stack_limit`).
+STACK_KEYS_GPU = 2048
+
+
 @dataclass
 class TTSEngine:
     config: VoiceChatConfig
@@ -71,6 +83,8 @@ class TTSEngine:
     # the next step of the same sessions gathers them without a copy per session
     _rows: RowSources = field(default_factory=RowSources, repr=False)
     _stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
+    # the batched step's attention caches of at most this many keys attend stacked (see STACK_KEYS_GPU)
+    stack_up_to: int = field(default_factory=lambda: stack_limit(STACK_KEYS_GPU))
 
     @classmethod
     def load(cls, model_dir: str | Path, float32_weights: bool = False,
@@ -238,7 +252,8 @@ class TTSEngine:
         previous = self._rows.gather([self.silence_codes[None, None, :] if text_id == eos else session.previous
                                       for session, text_id in zip(sessions, ids, strict=True)])
         keys = take_batch([s.rng for s in sessions], self.model.draws, self._rows)
-        codes, both = self._compiled_step(previous, self.text_rows(ids), [s.caches for s in sessions], keys)
+        codes, both = self._compiled_step(previous, self.text_rows(ids), [s.caches for s in sessions], keys,
+                                          self.stack_up_to)
         mx.eval(codes, both)
         rows = np.array(both, dtype=np.int32)
         for session, row in zip(sessions, self._rows.split(codes), strict=True):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from services.common.rows import RowSources
+from services.common.cache import RowSources
 
 
 class SessionKey:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from services.tts.backbone import FullCache, RingCache, stack_limit
+from services.common.cache import attend_sessions
+from services.tts.backbone import FullCache, RingCache
 from services.tts.rng import BatchKeySequence
 
 if TYPE_CHECKING:
@@ -68,16 +69,15 @@ class CompiledStep:
         return codes, self.finish(codes)
 
     def __call__(self, previous: mx.array, text: mx.array, caches: Sequence[Caches], keys: mx.array,
-                 stack_up_to: int | None = None) -> tuple[mx.array, mx.array]:
+                 stack_up_to: int = 0) -> tuple[mx.array, mx.array]:
         """previous (S, 1, Q) int32, text rows (S, 1, D), each session's caches (advanced by one position),
         keys (S, draws, 2) -> (codes (S, 1, Q) int32, finish(codes)). Caches of at most `stack_up_to` keys
-        (default `stack_limit()`) attend stacked, the others in place (see `Attention.attend_sessions`)."""
-        limit = stack_limit() if stack_up_to is None else stack_up_to
+        attend stacked, the others in place (see `services.common.cache.attend_sessions`)."""
         offsets = mx.array(np.repeat([own[0].offset for own in caches], 2).astype(np.int32))
         x, q, k, v = self._first(previous, text, offsets)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attended = layer.self_attn.attend_sessions(q, k, v, [own[i] for own in caches], limit)
+            attended = attend_sessions(q, k, v, [own[i] for own in caches], layer.self_attn.scale, stack_up_to)
             if i < last:
                 x, q, k, v = self._middle[i + 1](x, attended, offsets)
         return self._last(x, attended, keys)

@@ -1,4 +1,4 @@
-"""`LayerGroup` (services/common/kv_group.py): several sessions' caches of one layer as rows of one pair of
+"""`LayerGroup` (services/common/cache.py): several sessions' caches of one layer as rows of one pair of
 arrays. A step of all members or of some of them must leave every cache, and give every stepping session's
 attention, exactly as that cache's own single-key update and attention would."""
 
@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.common.kv_group import LayerGroup
+from services.common.cache import LayerGroup
 from services.tts.backbone import FullCache, RingCache
 
 HEADS, DIM, PER = 2, 4, 2  # two rows a session, as the speech backbone's guided rows
@@ -115,7 +115,7 @@ def test_a_step_of_some_members_adds_gathers_and_scatters_but_no_conversion():
 def test_layers_stepping_the_same_members_share_their_index_arrays():
     """The layers of one kind step the same members at the same slots: the index arrays (rows, query sources,
     slots) are made once a step, not once a layer, and each layer still equals its caches' own steps."""
-    from services.common import kv_group
+    from services.common import cache as kv_group
 
     layers = [_twins(FullCache, [4, 6, 5], seed=11) for _ in range(3)]
     for grouped, _ in layers:

@@ -247,10 +247,8 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
     MASKED_SHARE 0.5), or take their rows and write them back (at 1.0); a batch that mixes in a session from
     outside drops the pool, and each session it leaves behind gets copies of its own rows. Every session then
     goes on equal to its solo run."""
-    from services.llm import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "MASKED_SHARE", share)
     engine = engines["dense"]
+    monkeypatch.setattr(engine._pools, "masked_share", share)
     layers = engine.model.batched_step.mamba_layers
     inputs = []
     original = BatchedStep.__call__
@@ -263,22 +261,22 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
     sessions = [_open(engine, k) for k in (0, 2, 0)]
     rows = _inputs(embeds, 0, 4)
     engine.step_batch([(s, rows[0], False, None) for s in sessions])
-    (pool,) = engine._pools.values()
+    (pool,) = engine._pools.pools.values()
     engine.step_batch([(s, rows[1], False, None) for s in reversed(sessions)])  # any order: the same group
     assert all(a is b for a, b in zip(inputs[1], pool.stacked, strict=True))  # taken as they were
-    (pool,) = engine._pools.values()
-    assert pool.intact(layers) and pool.sessions == tuple(sessions)
+    (pool,) = engine._pools.pools.values()
+    assert pool.intact() and pool.sessions == tuple(sessions)
     views = [np.array(a) for a in pool.rows[2]]
     stacked = pool.stacked
     engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third sits this frame out
     if share == 1.0:
         assert all(a.shape[0] == 2 for a in inputs[2])  # the two sessions' rows of the stacks
-        (kept,) = engine._pools.values()
+        (kept,) = engine._pools.pools.values()
         assert kept is pool
     else:
         assert all(a is b for a, b in zip(inputs[2], stacked, strict=True))  # all three rows, as they were
-        (pool,) = engine._pools.values()
-    assert pool.intact(layers) and pool.sessions == tuple(sessions)
+        (pool,) = engine._pools.pools.values()
+    assert pool.intact() and pool.sessions == tuple(sessions)
     assert all(np.array_equal(a, b) for a, b in zip(pool.rows[2], views, strict=True))
     assert sessions[2].positions == sessions[0].positions - 1
     out = engine.step_batch([(sessions[0], rows[3], True, 3), (sessions[1], rows[3], True, 3),
@@ -290,10 +288,10 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
         assert _max_diff(o, want) <= LOGIT_TOLERANCE
     # A batch of one of them with a session from outside: the pool goes, the two left behind own their rows.
     outsider = _open(engine, 0)
-    (pool,) = engine._pools.values()
+    (pool,) = engine._pools.pools.values()
     own_before = [[np.array(a) for a in pool.rows[b]] for b in (1, 2)]
     engine.step_batch([(sessions[0], rows[0], False, None), (outsider, rows[0], False, None)])
-    assert all(p.sessions != tuple(sessions) for p in engine._pools.values())
+    assert all(p.sessions != tuple(sessions) for p in engine._pools.pools.values())
     for b, before in zip((1, 2), own_before, strict=True):
         own = [a for i in layers for a in (sessions[b].caches[i].conv, sessions[b].caches[i].ssm)]
         assert all(a.shape[0] == 1 for a in own)
@@ -352,10 +350,10 @@ def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bi
     caches as rows of one group per layer; through a tick one sits out (the others step as some of the group's
     members, the group kept) and a lone step (which takes its rows back: the group re-formed after it), every
     logit equals the session's solo run to the bit, and the groups did run."""
-    from services.common.kv_group import LayerGroup
-    from services.llm import nemotron_h
+    from services.common.cache import STACK_ALL, LayerGroup
 
-    monkeypatch.setattr(nemotron_h, "grouping", lambda: True)
+    engine = engines["4bit"]
+    monkeypatch.setattr(engine, "stack_up_to", STACK_ALL)
     steps = {"grouped": 0, "some": 0}
     original, form = LayerGroup.step, LayerGroup.__init__
 
@@ -371,7 +369,6 @@ def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bi
     monkeypatch.setattr(LayerGroup, "__init__", formed)
 
     monkeypatch.setattr(LayerGroup, "step", counted)
-    engine = engines["4bit"]
     schedule = [[0, 1, 2]] * 4 + [[0, 2]] + [[0, 1, 2]] * 4 + [[1]] + [[0, 1, 2]] * 3
     counts = [sum(k in ks for ks in schedule) for k in range(3)]
     expected = [_solo(engine, embeds, k, counts[k]) for k in range(3)]
@@ -399,21 +396,21 @@ def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, m
     after every size, some of the last batch's sessions step at each size below it, over all its rows or
     (under half of them) taking their rows of its stacked states: the partial steps' kernels are built before
     a client's frame."""
-    from services.llm import engine as engine_module
+    from services.common.cache import StatePool
 
     engine = engines["dense"]
     written, calls = [], []
-    original, forward = engine_module._StatePool.write_rows, BatchedStep.__call__
+    original, forward = StatePool.write_rows, BatchedStep.__call__
 
-    def spy(self, rows, states, layers):
+    def spy(self, rows, states):
         written.append((len(self.sessions), list(rows)))
-        return original(self, rows, states, layers)
+        return original(self, rows, states)
 
-    def spy_forward(self, prev_text, audio, prev_function, states, caches, heads=True, active=None):
+    def spy_forward(self, prev_text, audio, prev_function, states, caches, heads=True, active=None, *rest):
         calls.append((prev_text.shape[0], heads, None if active is None else list(active)))
-        return forward(self, prev_text, audio, prev_function, states, caches, heads, active)
+        return forward(self, prev_text, audio, prev_function, states, caches, heads, active, *rest)
 
-    monkeypatch.setattr(engine_module._StatePool, "write_rows", spy)
+    monkeypatch.setattr(StatePool, "write_rows", spy)
     monkeypatch.setattr(BatchedStep, "__call__", spy_forward)
     engine.precompile(5)
     steps = [c for c in calls if c[1]]  # the steps; prompt rows come first
@@ -441,11 +438,10 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
     closed midway: steps of at least half of the pool run over all of its rows, smaller ones take their rows,
     and every session's ids and logits equal its solo run, with the attention caches per session or grouped
     (the GPU's path, forced)."""
-    from services.llm import engine as engine_module
-    from services.llm import nemotron_h
+    from services.common.cache import STACK_ALL, StatePool
 
-    monkeypatch.setattr(nemotron_h, "grouping", lambda: grouped)
     engine = engines["4bit"]
+    monkeypatch.setattr(engine, "stack_up_to", STACK_ALL if grouped else 0)
     rng = np.random.default_rng(7)
     # every other tick all of them (the pool re-formed), in between a random subset of any size
     schedule = [[int(k) for k in rng.permutation(6)[: 6 if t % 2 == 0 else int(rng.integers(1, 6))]]
@@ -464,7 +460,7 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
 
     expected = [solo(k) for k in range(6)]
     paths = {"over all rows": 0, "rows taken": 0}
-    forward, write = BatchedStep.__call__, engine_module._StatePool.write_rows
+    forward, write = BatchedStep.__call__, StatePool.write_rows
 
     def spy_forward(self, *args):
         paths["over all rows"] += len(args) > 6 and args[6] is not None
@@ -475,7 +471,7 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
         return write(self, *args)
 
     monkeypatch.setattr(BatchedStep, "__call__", spy_forward)
-    monkeypatch.setattr(engine_module._StatePool, "write_rows", spy_write)
+    monkeypatch.setattr(StatePool, "write_rows", spy_write)
     sessions = [opened(k) for k in range(6)]
     inputs = [_inputs(embeds, k, counts[k]) for k in range(6)]
     got = [[] for _ in range(6)]

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.cache import RowSources
 from services.common.layers import Embedding, Linear
-from services.common.rows import RowSources
 from services.perception.engine import PerceptionEngine
 from services.perception.rnnt import RNNT, JointNetwork, LSTMLayer, PredictionNetwork
 
@@ -243,7 +243,7 @@ def test_row_sources_give_back_the_batched_array_or_one_take():
 def test_the_gathers_of_one_step_share_their_index_array(engine):
     """A step of some sessions, and the full step after it, gather every cache array (one per layer and kind)
     in the same order: that order's index array is made once a step, not once per array."""
-    from services.common import rows as rows_module
+    from services.common import cache as rows_module
 
     audio = [_audio(engine, k) for k in range(3)]
     streams = [engine.open_stream() for _ in audio]

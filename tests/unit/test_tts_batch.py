@@ -193,10 +193,8 @@ def test_long_and_young_sessions_batched_equal_solo(engine, monkeypatch, stack_u
     batched with a young one and a middle one: caches read in place (the CPU default), or the sliding rings
     stacked and the full caches over 64 keys in place next to the young one's, stacked alone. Codes equal
     solo's, and so does every session's state."""
-    import services.tts.backbone as backbone_module
-
     if stack_up_to is not None:
-        monkeypatch.setattr(backbone_module, "stack_limit", lambda: stack_up_to)
+        monkeypatch.setattr(engine, "stack_up_to", stack_up_to)
     backbone = engine.model.backbone
     dim = engine.config.tts_config.hidden_size
     grown = [270, 0, 20]  # positions appended after the 37-frame prompt

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import services.tts.engine as engine_module
-import services.tts.step as step_module
 from services.tts.engine import TTSEngine
 from services.tts.prompt import warmup_codes
 
@@ -70,7 +69,7 @@ def test_compiled_frames_equal_the_plain_step_past_the_ring_window(engine):
 def test_compiled_batches_equal_plain_solo_steps(engine, monkeypatch, stack_up_to):
     """Three sessions of different lengths batched (caches read in place, some stacked, all stacked), one
     sitting frames out: each equals its plain solo twin."""
-    monkeypatch.setattr(step_module, "stack_limit", lambda: stack_up_to)
+    monkeypatch.setattr(engine, "stack_up_to", stack_up_to)
     prefixes = [0, 8, 20]
     batched = [_open(engine, 40 + i, p) for i, p in enumerate(prefixes)]
     plain = [_open(engine, 40 + i, p) for i, p in enumerate(prefixes)]
@@ -113,9 +112,9 @@ def test_grouped_caches_equal_plain_solo_steps_through_wraps_regroups_and_solo_s
     step as some of the group's members, the group kept), a solo step between batches (one member stepping) and
     a new session joining (the group re-formed), every code and, at the end, every cache equals each session's
     plain solo twin."""
-    from services.tts import backbone
+    from services.common import cache as backbone
 
-    monkeypatch.setattr(step_module, "stack_limit", lambda: 10**9)
+    monkeypatch.setattr(engine, "stack_up_to", 10**9)
     counts = {"formed": 0, "stepped": 0, "some": 0}
     form, step = backbone.LayerGroup.__init__, backbone.LayerGroup.step
 
@@ -167,9 +166,9 @@ def test_grouped_caches_equal_plain_solo_steps_through_wraps_regroups_and_solo_s
 def test_precompile_steps_some_of_a_group_at_each_smaller_size(engine, monkeypatch):
     """At load, after full batches of every size, some of the last batch's sessions step at each size below it
     with their group kept: the partial steps' kernels are built before a client's frame needs them."""
-    from services.tts import backbone
+    from services.common import cache as backbone
 
-    monkeypatch.setattr(step_module, "stack_limit", lambda: 10**9)
+    monkeypatch.setattr(engine, "stack_up_to", 10**9)
     sizes = []
     step = backbone.LayerGroup.step
 
