@@ -13,7 +13,6 @@ Every method runs MLX work, so a service calls them on its EngineThread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ import numpy as np
 
 from services.codec.codec import PREFIX, Codec, DecodeState
 from services.common.batching import raise_first
+from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
 from services.common.errors import LimitExceeded
 
@@ -54,28 +54,6 @@ def _context(codec: Codec, state: DecodeState) -> list[mx.array]:
     return [*(state.block_tails[index] for index in codec.decoder_blocks), state.spec_real, state.spec_imag]
 
 
-@dataclass
-class _BatchedContext:
-    """What the last batched step left: its context arrays (B, ...) and the row views it gave each stream.
-
-    A stream whose state still holds exactly those views (no solo step since) has its context in this
-    batch's row, so the next batched step can reuse the row instead of copying the stream's arrays in."""
-
-    arrays: list[mx.array]
-    rows: list[list[mx.array]]  # rows[r][k] is arrays[k][r : r + 1]
-    _row_of: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self._row_of = {id(row[0]): r for r, row in enumerate(self.rows)}
-
-    def row_of(self, context: list[mx.array]) -> int | None:
-        """The row holding this context, or None when it is not (any longer) one of this batch's rows."""
-        row = self._row_of.get(id(context[0]))
-        if row is None or any(mine is not theirs for mine, theirs in zip(self.rows[row], context, strict=True)):
-            return None
-        return row
-
-
 PROMPT_CODES_KEPT = 4  # warm-up code arrays kept per process, least recently used dropped first
 
 
@@ -87,7 +65,9 @@ class CodecEngine:
         self.config = codec.config
         self.max_frames = max_frames
         self._prompt_codes: dict[int, np.ndarray] = {}
-        self._last_batch: _BatchedContext | None = None
+        # the streams' contexts are rows of the last batched step's arrays: the next step of the same streams
+        # gathers them without a copy
+        self._rows = RowSources()
 
     @classmethod
     def load(cls, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> CodecEngine:
@@ -198,55 +178,29 @@ class CodecEngine:
         order, context = self._stack_contexts([stream.state for stream in streams])
         frame = mx.array(np.stack([codes[position] for position in order]))[:, None]  # (B, 1, Q)
         samples, tails, spec = codec.compiled_stream_step(frame, context[:-2], (context[-2], context[-1]))
-        arrays = [*tails, *spec]
-        rows = [[array[r : r + 1] for array in arrays] for r in range(len(order))]
-        mx.eval(samples, *arrays, *(array for row in rows for array in row))
+        rows = list(zip(*(self._rows.split(array) for array in (*tails, *spec)), strict=True))
+        mx.eval(samples, *tails, *spec)
         host = np.array(samples)
         results: list[np.ndarray | None] = [None] * len(streams)
         for r, position in enumerate(order):
-            stream, row = streams[position], rows[r]
-            stream.state.block_tails = dict(zip(codec.decoder_blocks, row[:-2], strict=True))
-            stream.state.spec_real, stream.state.spec_imag = row[-2], row[-1]
-            stream.state.frames_decoded += 1
-            stream.next_frame += 1
+            state = streams[position].state
+            state.block_tails = dict(zip(codec.decoder_blocks, rows[r][:-2], strict=True))
+            state.spec_real, state.spec_imag = rows[r][-2], rows[r][-1]
+            state.frames_decoded += 1
+            streams[position].next_frame += 1
             results[position] = host[r]
-        self._last_batch = _BatchedContext(arrays, rows)
+        self._rows.keep({id(array) for row in rows for array in row})  # the last batch's rows, as before
         return results
 
     def _stack_contexts(self, states: list[DecodeState]) -> tuple[list[int], list[mx.array]]:
         """The states' contexts stacked along the batch axis, and the position in `states` each row holds.
 
         Rows of the last batched step that their streams still hold come first, in their old order, and cost
-        no copy when they are all back in one piece (a contiguous run is a view; else one take per array);
-        only the other streams' arrays are copied in, one concatenate per array."""
-        last, codec = self._last_batch, self.codec
-        kept: list[tuple[int, int]] = []  # (row in the last batch, position in states)
-        fresh: list[int] = []
-        contexts = [_context(codec, state) for state in states]
-        for position, context in enumerate(contexts):
-            row = last.row_of(context) if last is not None else None
-            if row is None:
-                fresh.append(position)
-            else:
-                kept.append((row, position))
-        kept.sort()
-        parts: list[list[mx.array]] = [[] for _ in contexts[0]]
-        if kept:
-            rows = [row for row, _ in kept]
-            if len(rows) == len(last.rows):  # sorted and unique: every row, in order
-                reused = last.arrays
-            elif rows == list(range(rows[0], rows[0] + len(rows))):
-                reused = [array[rows[0] : rows[0] + len(rows)] for array in last.arrays]
-            else:
-                index = mx.array(rows)
-                reused = [mx.take(array, index, axis=0) for array in last.arrays]
-            for k, array in enumerate(reused):
-                parts[k].append(array)
-        for position in fresh:
-            for k, array in enumerate(contexts[position]):
-                parts[k].append(array)
-        stacked = [pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0) for pieces in parts]
-        return [position for _, position in kept] + fresh, stacked
+        no copy when they are all back in one piece (a run of them is a view; else one take per array); only
+        the other streams' arrays are copied in, one concatenate per array."""
+        contexts = [_context(self.codec, state) for state in states]
+        order = self._rows.arrange([context[0] for context in contexts])
+        return order, [self._rows.gather([contexts[p][k] for p in order]) for k in range(len(contexts[0]))]
 
     def open_stream(self) -> DecodeStream:
         """A fresh causal decode stream (its state is freed with the object)."""
@@ -263,7 +217,7 @@ class CodecEngine:
         for size in range(1, max_batch + 1):
             for _ in range(steps):
                 raise_first(self.decode_batch([(s, s.next_frame, codes) for s in streams[:size]]))
-        self._last_batch = None
+        self._rows.keep(set())
 
 
 class DecodeStream:

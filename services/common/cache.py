@@ -58,7 +58,8 @@ class RowSources:
     session.
 
         rows = sources.split(batched)          # (B, ...) -> B rows of (1, ...), remembered
-        again = sources.gather(rows)           # the same array, no copy; a subset or reorder is one take
+        again = sources.gather(rows)           # the same array, no copy; a run of it a view; else one take
+        order = sources.arrange(rows[::-1])    # [2, 1, 0]: the order in which gather copies nothing
 
     With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers, speech's keys). A
     user calls `keep` with the rows its sessions still hold now and then, so rows it dropped are forgotten.
@@ -95,7 +96,27 @@ class RowSources:
         stacked = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=0)
         if index == list(range(stacked.shape[0])):
             return stacked
+        if index == list(range(index[0], index[0] + len(index))):  # a run of one batch's rows: a view
+            return stacked[index[0] : index[0] + len(index)]
         return stacked[take_index(tuple(index))]
+
+    def source_of(self, row: mx.array) -> tuple[mx.array, int] | None:
+        """The batched array `row` is a view of and its index there, when `split` made it."""
+        known = self._rows.get(id(row))
+        return (known[1], known[2]) if known is not None and known[0] is row else None
+
+    def arrange(self, rows: list[mx.array]) -> list[int]:
+        """An order of `rows` (positions) that `gather` takes with the fewest copies: the rows of each batched
+        array together, in its order (the arrays in the order their first row comes), then the others."""
+        sources: dict[int, int] = {}
+        known, fresh = [], []
+        for position, row in enumerate(rows):
+            source = self.source_of(row)
+            if source is None:
+                fresh.append(position)
+            else:
+                known.append((sources.setdefault(id(source[0]), len(sources)), source[1], position))
+        return [position for *_, position in sorted(known)] + fresh
 
     def keep(self, held: set[int]) -> None:
         """Forget every row whose id is not in `held` (the rows the live sessions still hold)."""

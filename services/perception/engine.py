@@ -22,7 +22,7 @@ import numpy as np
 
 from services.common import split_matmul
 from services.common.batching import raise_first
-from services.common.cache import RowSources
+from services.common.cache import RowSources, group_by_signature
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, route_split_matmuls, widen
@@ -252,56 +252,53 @@ class PerceptionEngine:
             except ValueError as e:
                 results[i] = e
         mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
-        # per step shape: (result index, stream, the mel to begin with or the window begun)
-        groups: dict[tuple, list[tuple[int, PerceptionStream, mx.array, tuple | None]]] = {}
-        for (i, stream, _), mel in zip(checked, mels, strict=True):
-            if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
-                results[i] = stream.emit(stream.encoder.push(mel))
-                continue
-            layout = stream.encoder.layout(mel.shape[1])
-            if layout is not None:  # begun below, with the others of its layout
-                cached, k, lo, hi, _ = layout
-                groups.setdefault(((1, cached + k, mel.shape[2]), lo, hi), []).append((i, stream, mel, layout))
-                continue
-            span = stream.encoder.begin_frame(mel)
-            if span is None:
-                results[i] = stream.emit([])  # raises, as push would
-                continue
-            window, lo, hi = span
-            groups.setdefault((window.shape, lo, hi), []).append((i, stream, window, None))
-        for (_, lo, hi), members in groups.items():
-            if len(members) == 1:
-                i, stream, window, layout = members[0]
-                enc = stream.encoder
-                if layout is not None:
-                    window, _, _ = enc.begin_frame(window)
-                results[i] = stream.emit([enc.step(window, lo, hi)])
-                continue
-            batch = [stream for _, stream, _, _ in members]
-            out = self._step_batch(batch, self._windows(members), lo, hi)
-            for (i, _, _, _), result in zip(members, out, strict=True):
-                results[i] = result
+        steps = [self._begin(i, stream, mel, results) for (i, stream, _), mel in zip(checked, mels, strict=True)]
+        steps = [step for step in steps if step is not None]
+        # one batch per encoder window shape and span
+        groups, solo = group_by_signature(steps, lambda step: (step[2].shape if step[3] is None else
+                                                               (1, step[3][0] + step[3][1], step[2].shape[2]),
+                                                               *step[4]))
+        for j in solo:
+            i, stream, window, layout, (lo, hi) = steps[j]
+            if layout is not None:
+                window, _, _ = stream.encoder.begin_frame(window)
+            results[i] = stream.emit([stream.encoder.step(window, lo, hi)])
+        for members in groups:
+            group = [steps[j] for j in members]
+            lo, hi = group[0][4]
+            out = self._step_batch([step[1] for step in group], self._windows([step[:4] for step in group]), lo, hi)
+            for step, result in zip(group, out, strict=True):
+                results[step[0]] = result
         self._batched_streams.update(s for s in streams if s.batchable)
         self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _begin(i: int, stream: PerceptionStream, mel: mx.array, results: list) -> tuple | None:
+        """Entry i's encoder step up to its batch: (i, stream, the mel to begin with or the window begun, its
+        layout or None, (lo, hi)); None when the push ran (or failed) alone, its result in `results`."""
+        if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
+            results[i] = stream.emit(stream.encoder.push(mel))
+            return None
+        layout = stream.encoder.layout(mel.shape[1])
+        if layout is not None:  # begun with the others of its layout
+            return i, stream, mel, layout, tuple(layout[2:4])
+        span = stream.encoder.begin_frame(mel)
+        if span is None:
+            results[i] = stream.emit([])  # raises, as push would
+            return None
+        window, lo, hi = span
+        return i, stream, window, None, (lo, hi)
 
     def _push_mel(self, streams: list[PerceptionStream], samples: list[np.ndarray]) -> list[mx.array]:
         """`stream.mel.push(samples)[None]` of every session: those whose mel buffers share one layout as one
         `push_stacked` over their stacked buffers (kept as rows of one array, so the next frame's stack is no
         copy), the others one by one. Returns each session's (1, k, n_mels)."""
         out: list[mx.array | None] = [None] * len(streams)
-        layouts: dict[tuple, list[int]] = {}
-        for b, (stream, x) in enumerate(zip(streams, samples, strict=True)):
-            layout = stream.mel.layout(x.shape[0])
-            if layout is None:
-                out[b] = stream.mel.push(mx.array(x))[None]
-            else:
-                layouts.setdefault(layout, []).append(b)
-        for members in layouts.values():
-            if len(members) == 1:
-                (b,) = members
-                out[b] = streams[b].mel.push(mx.array(samples[b]))[None]
-                continue
+        groups, solo = group_by_signature(range(len(streams)), lambda b: streams[b].mel.layout(samples[b].shape[0]))
+        for b in solo:
+            out[b] = streams[b].mel.push(mx.array(samples[b]))[None]
+        for members in groups:
             mels = [streams[b].mel for b in members]
             retained = self._rows.gather([m.samples for m in mels], squeeze=True)
             chunks = mx.array(np.stack([samples[b] for b in members]))

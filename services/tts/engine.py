@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from services.common import split_matmul
 from services.common.batching import raise_first
-from services.common.cache import RowSources, stack_limit, take_index
+from services.common.cache import RowSources, group_by_signature, stack_limit, take_index
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
@@ -184,7 +184,7 @@ class TTSEngine:
         not created), takes the solo path. Codes equal the solo ones up to the rounding of batched matmuls.
         """
         results: list[tuple[np.ndarray, np.ndarray] | Exception | None] = [None] * len(steps)
-        batch: list[int] = []
+        valid: list[int] = []
         seen: set[int] = set()
         for i, (session, text_id) in enumerate(steps):
             try:
@@ -197,17 +197,15 @@ class TTSEngine:
             except ValueError as error:
                 results[i] = error
                 continue
-            if len(steps) > 1 and session.can_batch:
-                batch.append(i)
-            else:
-                results[i] = session.step(text_id)  # validated: it does not raise for input
-        if len(batch) == 1:
-            session, text_id = steps[batch[0]]
-            results[batch[0]] = session.step(text_id)
-        elif batch:
-            # in the order the sessions opened, whatever order their steps came in: the same sessions then form
-            # the same batch, whose attention caches stay grouped between steps (backbone.LayerGroup)
-            batch.sort(key=lambda i: steps[i][0].serial)
+            valid.append(i)
+        # in the order the sessions opened, whatever order their steps came in: the same sessions then form the
+        # same batch, whose attention caches stay grouped between steps (services.common.cache.LayerGroup)
+        groups, solo = group_by_signature(valid, lambda i: () if steps[i][0].can_batch else None,
+                                          lambda i: steps[i][0].serial)
+        for i in (valid[j] for j in solo):
+            results[i] = steps[i][0].step(steps[i][1])  # validated: it does not raise for input
+        for members in groups:
+            batch = [valid[j] for j in members]
             for i, codes in zip(batch, self._step_together([steps[i] for i in batch]), strict=True):
                 results[i] = codes
         return results

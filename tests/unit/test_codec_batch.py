@@ -68,11 +68,12 @@ def test_streams_batched_in_changing_company_equal_each_stream_alone(engine):
     for batch, alone in SCHEDULE:
         entries = [next_entry(streams[name], codes[name]) for name in batch]
         started = sum(streams[name].state.frames_decoded > 0 for name in batch)
-        before = engine._last_batch
+        ran = [streams[name] for name in batch if streams[name].state.frames_decoded > 0]
         for name, samples in zip(batch, engine.decode_batch(entries), strict=True):
             got[name].append(samples)
-        if started > 1:  # the started streams ran as one batch
-            assert engine._last_batch is not before and len(engine._last_batch.rows) == started
+        if started > 1:  # the started streams ran as one batch: their contexts are rows of its arrays
+            (source,) = {id(engine._rows.source_of(s.state.spec_real)[0]) for s in ran}
+            assert engine._rows.source_of(ran[0].state.spec_real)[0].shape[0] == started
             batched_frames += started
         for name in alone:
             stream, index, frame = next_entry(streams[name], codes[name])
@@ -152,13 +153,15 @@ def test_the_same_batch_again_reuses_its_context_without_copies(engine):
     for stream, frames in zip(streams, codes, strict=True):
         stream.decode_frame(0, frames[0])
     engine.decode_batch([(stream, 1, frames[1]) for stream, frames in zip(streams, codes, strict=True)])
-    last = engine._last_batch
+    from services.codec.engine import _context
+
+    last = [engine._rows.source_of(a)[0] for a in _context(engine.codec, streams[0].state)]
     states = [stream.state for stream in reversed(streams)]
     order, stacked = engine._stack_contexts(states)
     assert order == [2, 1, 0]  # rows in the last batch's order, whatever the entries' order
-    assert all(mine is theirs for mine, theirs in zip(stacked, last.arrays, strict=True))
+    assert all(mine is theirs for mine, theirs in zip(stacked, last, strict=True))
     streams[1].decode_frame(2, codes[1][2])  # a solo step gives the stream arrays of its own: copied in again
     order, stacked = engine._stack_contexts([stream.state for stream in streams])
     assert order == [0, 2, 1]
     assert all(array.shape[0] == 3 for array in stacked)
-    assert not any(mine is theirs for mine, theirs in zip(stacked, last.arrays, strict=True))
+    assert not any(mine is theirs for mine, theirs in zip(stacked, last, strict=True))

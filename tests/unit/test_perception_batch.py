@@ -9,7 +9,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.common.cache import RowSources
 from services.common.layers import Embedding, Linear
 from services.perception.engine import PerceptionEngine
 from services.perception.rnnt import RNNT, JointNetwork, LSTMLayer, PredictionNetwork
@@ -226,20 +225,6 @@ def test_a_stream_twice_in_one_batch_is_refused(engine):
     assert stream.frame_index == 0
 
 
-def test_row_sources_give_back_the_batched_array_or_one_take():
-    sources = RowSources()
-    batched = mx.arange(12, dtype=mx.float32).reshape(4, 3)
-    rows = sources.split(batched)
-    assert sources.gather(rows) is batched  # the same composition: no copy at all
-    assert np.array_equal(np.array(sources.gather([rows[2], rows[0]])), np.array(batched)[[2, 0]])
-    loose = mx.full((1, 3), 7.0)
-    mixed = sources.gather([rows[3], loose, rows[1], loose])
-    assert np.array_equal(np.array(mixed), np.array([[9, 10, 11], [7, 7, 7], [3, 4, 5], [7, 7, 7]]))
-    sources.keep({id(rows[0])})
-    assert np.array_equal(np.array(sources.gather([rows[0]])), [[0, 1, 2]])  # a take from the batched array
-    assert sources.gather([rows[1]]) is rows[1]  # forgotten: the row is its own source
-
-
 def test_the_gathers_of_one_step_share_their_index_array(engine):
     """A step of some sessions, and the full step after it, gather every cache array (one per layer and kind)
     in the same order: that order's index array is made once a step, not once per array."""
@@ -249,7 +234,7 @@ def test_the_gathers_of_one_step_share_their_index_array(engine):
     streams = [engine.open_stream() for _ in audio]
     for f in range(FRAMES - 3):
         engine.push_batch([(s, _frame(engine, a, f)) for s, a in zip(streams, audio, strict=True)])
-    for members, f in (([1, 2], FRAMES - 3), ([0, 1, 2], FRAMES - 2)):
+    for members, f in (([0, 2], FRAMES - 3), ([0, 1, 2], FRAMES - 2)):
         rows_module.take_index.cache_clear()
         engine.push_batch([(streams[b], _frame(engine, audio[b], f)) for b in members])
         made = rows_module.take_index.cache_info()

@@ -1,0 +1,122 @@
+"""services/common/cache.py: sessions' state as rows of batched arrays. `RowSources` hands out rows that are views
+and gathers them back without copies; `StatePools` keeps a batch's stacked states for the next batch of the same
+sessions, all or some of them; `group_by_signature` splits a batch into the entries that can run together."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from services.common.cache import RowSources, StatePools, group_by_signature
+
+
+def test_row_sources_give_back_the_batched_array_a_view_or_one_take():
+    sources = RowSources()
+    batched = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    rows = sources.split(batched)
+    assert sources.gather(rows) is batched  # the same composition: no copy at all
+    assert sources.source_of(rows[2])[0] is batched and sources.source_of(rows[2])[1] == 2
+    assert np.array_equal(np.array(sources.gather([rows[2], rows[0]])), np.array(batched)[[2, 0]])
+    run = sources.gather(rows[1:3])  # a run of the batch's rows: a slice of it
+    assert np.array_equal(np.array(run), np.array(batched)[1:3])
+    loose = mx.full((1, 3), 7.0)
+    mixed = sources.gather([rows[3], loose, rows[1], loose])
+    assert np.array_equal(np.array(mixed), np.array([[9, 10, 11], [7, 7, 7], [3, 4, 5], [7, 7, 7]]))
+    sources.keep({id(rows[0])})
+    assert np.array_equal(np.array(sources.gather([rows[0]])), [[0, 1, 2]])  # row 0 of the batched array
+    assert sources.gather([rows[1]]) is rows[1]  # forgotten: the row is its own source
+    assert sources.source_of(rows[1]) is None
+
+
+def test_arrange_orders_rows_so_that_the_gather_copies_nothing():
+    sources = RowSources()
+    whole = mx.zeros((3, 2))
+    first, second = sources.split(whole), sources.split(mx.ones((2, 2)))
+    loose = mx.full((1, 2), 5.0)
+    rows = [second[1], loose, first[2], first[0], second[0], first[1]]
+    order = sources.arrange(rows)
+    # the batch whose row comes first, in its order, then the other, then the loose row
+    assert order == [4, 0, 3, 5, 2, 1]
+    reversed_rows = first[::-1]
+    assert sources.arrange(reversed_rows) == [2, 1, 0]
+    assert sources.gather([reversed_rows[p] for p in sources.arrange(reversed_rows)]) is whole
+
+
+@dataclass
+class Holder:
+    state: tuple
+
+
+@dataclass
+class Session:
+    key: int
+    holders: list
+
+
+def _sessions(n: int) -> list[Session]:
+    return [Session(k, [Holder((mx.full((1, 2), float(k)), mx.full((1, 3), 10.0 + k)))]) for k in range(n)]
+
+
+def _pools(share: float = 0.5) -> StatePools:
+    return StatePools(lambda s: s.key, lambda s: s.holders, share)
+
+
+def _rows(session: Session) -> list[list[float]]:
+    return [np.array(a).ravel().tolist() for a in session.holders[0].state]
+
+
+def test_a_batch_of_the_same_sessions_takes_the_stacks_as_they_are():
+    pools, sessions = _pools(), _sessions(3)
+    batch = pools.gather(sessions)
+    assert batch.rows == [0, 1, 2] and batch.active is None
+    assert np.array_equal(np.array(batch.states[0]), [[0, 0], [1, 1], [2, 2]])
+    stepped = [a + 1 for a in batch.states]
+    pools.scatter(batch, stepped)
+    assert _rows(sessions[1]) == [[2.0, 2.0], [12.0, 12.0, 12.0]]  # its views of the new stacks
+    assert pools.settle([sessions]) == []
+    again = pools.gather(sessions)
+    assert all(a is b for a, b in zip(again.states, stepped, strict=True))  # no gather at all
+
+
+def test_some_of_a_pool_run_over_all_its_rows_or_take_theirs_and_write_them_back():
+    for share, over_all in ((0.5, True), (1.0, False)):
+        pools, sessions = _pools(share), _sessions(3)
+        pools.scatter(pools.gather(sessions), pools.gather(sessions).states)
+        some = [sessions[2], sessions[0]]
+        assert pools.settle([some]) == []  # the pool is kept for them
+        batch = pools.gather(some)
+        if over_all:  # every row, the sitting-out session's passed through
+            assert batch.members == sessions and batch.rows == [2, 0] and batch.active == [0, 2]
+            assert [a.shape[0] for a in batch.states] == [3, 3]
+            placed = batch.place([mx.array(7), mx.array(8)], mx.array(0))  # entry i at its row, zeros between
+            assert [int(a) for a in placed] == [8, 0, 7]
+            new = [mx.where(mx.array([[True], [False], [True]]), a + 100, a) for a in batch.states]
+        else:  # their rows taken, then written back into the stacks
+            assert batch.members == some and batch.rows == [0, 1] and batch.active is None
+            assert np.array_equal(np.array(batch.states[0]), [[2, 2], [0, 0]])
+            new = [a + 100 for a in batch.states]
+        pools.scatter(batch, new)
+        assert _rows(sessions[0])[0] == [100.0, 100.0] and _rows(sessions[2])[0] == [102.0, 102.0]
+        assert _rows(sessions[1])[0] == [1.0, 1.0]  # untouched
+        (pool,) = pools.pools.values()
+        assert pool.sessions == tuple(sessions) and pool.intact()
+
+
+def test_a_session_leaving_a_pool_gets_its_own_rows_and_closing_drops_it():
+    pools, sessions = _pools(), _sessions(3)
+    batch = pools.gather(sessions)
+    pools.scatter(batch, batch.states)
+    outsider = _sessions(4)[3]
+    copies = pools.settle([[sessions[0], outsider]])  # mixes in a session from outside: the pool goes
+    assert not pools and len(copies) == 4  # sessions 1 and 2 get copies of their two states
+    assert _rows(sessions[2]) == [[2.0, 2.0], [12.0, 12.0, 12.0]]
+    pools.scatter(pools.gather(sessions[1:]), pools.gather(sessions[1:]).states)
+    pools.drop(sessions[1].key)
+    assert not pools
+
+
+def test_group_by_signature_keeps_groups_of_two_or_more_in_order():
+    entries = [("a", 3), ("b", 1), ("a", 1), (None, 0), ("b", 0), ("c", 5)]
+    groups, solo = group_by_signature(entries, lambda e: e[0], order=lambda e: e[1])
+    assert groups == [[2, 0], [4, 1]]  # each sorted by `order`: the same sessions form the same batch
+    assert solo == [3, 5]  # not batchable, and alone with its signature
