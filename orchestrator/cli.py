@@ -45,6 +45,7 @@ from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
+from services.common.loading import keep_float32_matmuls
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.server import DEFAULT_GRACE_S
 
@@ -322,6 +323,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_float32_matmuls()  # before an in-process engine runs its first matmul
     parser = build_parser()
     args = parser.parse_args(argv)
     code = _run(args)

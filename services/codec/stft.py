@@ -3,8 +3,11 @@
 With n_fft 16 and hop 4 (the codec's values), a waveform of N samples is zero-padded by (n_fft - hop) / 2 = 6 at
 each end, giving 1 + (N - 4) // 4 frames of 9 bins; `istft` inverts that layout and trims the same 6 samples:
 
-    >>> spec = spectrogram(mx.zeros((1, 1764)), 16, 4)   # (1, 441, 9) complex64
-    >>> istft(spec.real, spec.imag, 16, 4).shape        # (1, 1764)
+    >>> spec = spectrogram(mx.zeros((1, 1764)), 16, 4)
+    >>> spec.shape, spec.dtype
+    ((1, 441, 9), mlx.core.complex64)
+    >>> istft(spec.real, spec.imag, 16, 4).shape
+    (1, 1764)
 """
 
 from __future__ import annotations

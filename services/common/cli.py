@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
+from services.common.loading import keep_float32_matmuls
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
@@ -235,6 +236,7 @@ def run_service(
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
     """Parse flags, build the service, serve until SIGTERM/SIGINT; returns the process exit code."""
+    keep_float32_matmuls()
     die_with_parent()
     parser = build_parser(prog, description)
     if add_arguments is not None:

@@ -5,8 +5,8 @@ numbers equal the reference's bit for bit; the one exception is a dense layer th
 float32 inputs go to `split_matmul` (a CUDA GPU's tensor cores: float32's accuracy, not the same bits).
 Weights are read from a `Weights` by module path:
 
-    >>> proj = Linear.from_weights(weights, "stt_model.perception.proj")
-    >>> proj(x)  # x: (..., in) -> (..., out)
+    proj = Linear.from_weights(weights, "stt_model.perception.proj")
+    proj(x)  # x: (..., in) -> (..., out)
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import argparse
 
 from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
+from services.common.loading import LoadOptions
 from services.llm.engine import MAX_PROMPT_TOKENS
 from services.llm.service import build_spec
 
@@ -32,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, args.weights_dtype, BatchOptions.from_args(args),
-                      args.float32_weights, args.split_matmuls)
+    return build_spec(args.model, args.max_prompt_tokens, BatchOptions.from_args(args), LoadOptions.from_args(args))
 
 
 if __name__ == "__main__":

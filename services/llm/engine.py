@@ -1,9 +1,9 @@
 """The language engine: Nemotron-H weights, the tokenizer, and per-session timelines. No gRPC here.
 
-    >>> engine = LanguageEngine.load("/path/to/checkpoint")
-    >>> session = engine.open_session(system_prompt="Be concise.")   # prefills [bos] + prompt + [eos]
-    >>> out = session.step(audio)            # audio: (hidden,) float32 -> StepOutput(text_id, function_id, ...)
-    >>> engine.close_session(session)
+    engine = LanguageEngine.load("/path/to/checkpoint")
+    session = engine.open_session(system_prompt="Be concise.")   # prefills [bos] + prompt + [eos]
+    out = session.step(audio)            # audio: (hidden,) float32 -> StepOutput(text_id, function_id, ...)
+    engine.close_session(session)
 
 All calls must come from one thread (the service's EngineThread): MLX evaluation is tied to its thread.
 """
@@ -26,6 +26,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, widen
+from services.common.loading import AS_STORED, LoadOptions
 from services.llm.nemotron_h import (
     WEIGHT_PREFIXES,
     Block,
@@ -173,34 +174,31 @@ class LanguageEngine:
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-             weights_dtype: str | None = None, float32_weights: bool = False,
-             split_matmuls: bool = False) -> LanguageEngine:
-        """weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
+             options: LoadOptions = AS_STORED) -> LanguageEngine:
+        """options.weights_dtype "bfloat16" dequantizes quantized projections at load (more memory, dense matmuls that
         batch almost for free on a GPU); None keeps them as stored.
 
-        float32_weights keeps the arrays that the float32 activations of every frame step convert in each call
+        options.float32_weights keeps the arrays that the float32 activations of every frame step convert in each call
         in float32 instead: the projections' dense weights or a quantized layer's scales and biases, the norms'
         weights, the Mamba convolutions' weights and D (outputs identical; twice those arrays' memory). The
         bfloat16 prompt prefix computes with them cast back.
 
-        split_matmuls (a CUDA GPU only) has the dense bf16 projections (`weights_dtype` "bfloat16", or a bf16
+        options.split_matmuls (a CUDA GPU only) has the dense bf16 projections (weights_dtype "bfloat16", or a bf16
         checkpoint) meet float32 activations in `split_matmul`, on the tensor cores at float32's accuracy,
         instead of a cast or a float32 copy; with float32_weights the other arrays are still kept in float32."""
-        if weights_dtype not in (None, "stored", "bfloat16"):
-            raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {weights_dtype!r}")
-        if split_matmuls:
+        if options.split_matmuls:
             split_matmul.require()
         checkpoint = Checkpoint(model_dir)
         try:
             weights = checkpoint.load(WEIGHT_PREFIXES)
-            if weights_dtype == "bfloat16":
+            if options.weights_dtype == "bfloat16":
                 weights = weights.dequantized(mx.bfloat16)
             model = DuplexLanguageModel.from_weights(weights, checkpoint.config)
             mx.eval([a for a in weights.arrays.values()])
             modules = [model.backbone, model.lm_head, model.function_head]
-            if split_matmuls:
+            if options.split_matmuls:
                 layers.route_split_matmuls(modules, model_dir, " unless --weights-dtype bfloat16")
-            if float32_weights:
+            if options.float32_weights:
                 mx.eval(widen(modules, mx.float32, (Linear, Block, NemotronH, Mamba2Mixer)))
                 del weights
                 mx.clear_cache()

@@ -3,10 +3,10 @@
 Modules are pure functions of their weights and inputs; every per-session tensor lives in a cache object the
 caller owns (`make_caches`), so one model in memory serves any number of sessions:
 
-    >>> model = DuplexLanguageModel.from_weights(weights, config)
-    >>> caches = model.make_caches()
-    >>> hidden = model.backbone(fused, caches)        # fused: (B, L, D) -> (B, L, D) after norm_f
-    >>> text_logits, function_logits = model.heads(hidden)
+    model = DuplexLanguageModel.from_weights(weights, config)
+    caches = model.make_caches()
+    hidden = model.backbone(fused, caches)        # fused: (B, L, D) -> (B, L, D) after norm_f
+    text_logits, function_logits = model.heads(hidden)
 
 Numerics follow the reference op for op: f32 activations against bf16 weights, the chunked (256-position)
 state-space form for sequences, and a single-position recurrence whose ops reduce to the same arithmetic.

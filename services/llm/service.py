@@ -19,6 +19,7 @@ from protos.voicechat.v1 import language_pb2, language_pb2_grpc
 from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
+from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto, to_proto
@@ -54,11 +55,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         return self._engine
 
     async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                   weights_dtype: str | None = None, float32_weights: bool = False,
-                   split_matmuls: bool = False) -> None:
+                   options: LoadOptions = AS_STORED) -> None:
         """Load the checkpoint's language tensors and tokenizer on the engine thread."""
-        self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, weights_dtype,
-                                                    float32_weights, split_matmuls)
+        self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, options)
         await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
@@ -150,15 +149,14 @@ def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: 
 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               weights_dtype: str | None = None, batching: BatchOptions | None = None,
-               float32_weights: bool = False, split_matmuls: bool = False) -> ServiceSpec:
+               batching: BatchOptions | None = None, options: LoadOptions = AS_STORED) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
     servicer = LanguageServicer(engine_thread, batching=batching)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(model_dir, max_prompt_tokens, weights_dtype, float32_weights, split_matmuls),
+        load=lambda: servicer.load(model_dir, max_prompt_tokens, options),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )

@@ -7,6 +7,7 @@ import argparse
 from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
 from services.common.engine_thread import EngineThread
+from services.common.loading import LoadOptions
 from services.perception.service import SERVICE_NAME, PerceptionServicer, registrations
 
 
@@ -24,7 +25,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     servicer = PerceptionServicer(engine_thread, batching=BatchOptions.from_args(args))
 
     async def load() -> None:
-        await servicer.load(args.model, args.float32_weights, args.split_matmuls)
+        await servicer.load(args.model, LoadOptions.from_args(args))
 
     return ServiceSpec(registrations(servicer), [SERVICE_NAME], load=load, close=engine_thread.close,
                        metrics=servicer.metrics)

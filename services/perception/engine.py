@@ -26,6 +26,7 @@ from services.common.cache import RowSources, group_by_signature
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, route_split_matmuls, widen
+from services.common.loading import AS_STORED, LoadOptions
 from services.perception.conformer import Conformer, Conv, LayerNorm
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
@@ -119,13 +120,13 @@ class PerceptionEngine:
         self._zero_lstm_row = mx.zeros((1, rnnt.prediction.hidden), dtype=mx.float32)
 
     @classmethod
-    def load(cls, model_dir: str | Path, float32_weights: bool = False,
-             split_matmuls: bool = False) -> PerceptionEngine:
-        """float32_weights keeps float32 copies of what the float32 frames convert (see below); split_matmuls
-        (a CUDA GPU only) has the dense bf16 projections of the encoder, the projection and the joint meet their
-        float32 inputs in `split_matmul` instead, their weights left in bf16."""
+    def load(cls, model_dir: str | Path, options: LoadOptions = AS_STORED) -> PerceptionEngine:
+        """options.float32_weights keeps float32 copies of what the float32 frames convert (see below);
+        options.split_matmuls (a CUDA GPU only) has the dense bf16 projections of the encoder, the projection
+        and the joint meet their float32 inputs in `split_matmul` instead, their weights left in bf16."""
         model_dir = Path(model_dir)
-        if split_matmuls:
+        options = options.only_stored("perception")
+        if options.split_matmuls:
             split_matmul.require()
         checkpoint = Checkpoint(model_dir)
         config = checkpoint.config
@@ -141,9 +142,9 @@ class PerceptionEngine:
                                                     audio.decoder.pred_hidden)
         joint = JointNetwork.from_weights(weights, "stt_model.rnnt_joint", audio.joint.activation)
         rnnt = RNNT(prediction, joint, _vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
-        if split_matmuls:
+        if options.split_matmuls:
             route_split_matmuls([encoder, proj, joint], model_dir)
-        if float32_weights:
+        if options.float32_weights:
             # The encoder, projection and joint always compute in float32 (mel in): keep their matmul, conv and
             # norm weights in float32 rather than have every call convert them (outputs are identical; the
             # converted weights take twice the memory). The LSTM's input may be a bf16 row (an embedding): it

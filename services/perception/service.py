@@ -17,6 +17,7 @@ from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
 from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
+from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import Registration, full_service_name
 from services.common.tensors import from_proto_np, to_proto
@@ -37,10 +38,9 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
                                                 key=session_of)
 
-    async def load(self, model_dir: str | Path, float32_weights: bool = False, split_matmuls: bool = False) -> None:
+    async def load(self, model_dir: str | Path, options: LoadOptions = AS_STORED) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
-        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, float32_weights,
-                                                    split_matmuls)
+        self._engine = await self.engine_thread.run(PerceptionEngine.load, model_dir, options)
         await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 

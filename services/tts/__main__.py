@@ -8,6 +8,7 @@ from protos.voicechat.v1 import speech_pb2_grpc
 from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
 from services.common.engine_thread import EngineThread
+from services.common.loading import LoadOptions
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS
 from services.tts.service import SERVICE_NAME, SpeechServicer
 
@@ -34,7 +35,7 @@ def build(args: argparse.Namespace) -> ServiceSpec:
     return ServiceSpec(
         registrations=[(speech_pb2_grpc.add_SpeechServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(args.model, args.float32_weights, args.max_prefix_steps, args.split_matmuls),
+        load=lambda: servicer.load(args.model, LoadOptions.from_args(args), args.max_prefix_steps),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )

@@ -33,6 +33,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
+from services.common.loading import AS_STORED, LoadOptions
 from services.tts.backbone import FullCache, RingCache
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
@@ -87,12 +88,13 @@ class TTSEngine:
     stack_up_to: int = field(default_factory=lambda: stack_limit(STACK_KEYS_GPU))
 
     @classmethod
-    def load(cls, model_dir: str | Path, float32_weights: bool = False,
-             max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS, split_matmuls: bool = False) -> TTSEngine:
-        """float32_weights: see below. split_matmuls (a CUDA GPU only) has the dense bf16 projections of the
-        float32 frame path (backbone, code embedding, audio projection, MoG head) meet their float32 inputs in
-        `split_matmul`, their weights left in bf16."""
-        if split_matmuls:
+    def load(cls, model_dir: str | Path, options: LoadOptions = AS_STORED,
+             max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> TTSEngine:
+        """options.float32_weights: see below. options.split_matmuls (a CUDA GPU only) has the dense bf16
+        projections of the float32 frame path (backbone, code embedding, audio projection, MoG head) meet their
+        float32 inputs in `split_matmul`, their weights left in bf16."""
+        options = options.only_stored("speech")
+        if options.split_matmuls:
             split_matmul.require()
         checkpoint = Checkpoint(model_dir)
         try:
@@ -104,9 +106,9 @@ class TTSEngine:
             # with float32_weights their weights and norm scales are kept in float32 rather than converted by
             # every call (identical outputs, twice the memory for them).
             frame_path = [model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head]
-            if split_matmuls:
+            if options.split_matmuls:
                 route_split_matmuls(frame_path, model_dir)
-            wide = widen(frame_path, mx.float32, (Linear, GemmaRMSNorm, MoGHead)) if float32_weights else []
+            wide = widen(frame_path, mx.float32, (Linear, GemmaRMSNorm, MoGHead)) if options.float32_weights else []
             latent = weights.get(f"tts_model.audio_prompt_latents.{config.speaker}")
             if latent.ndim != 3 or latent.shape[0] != 1 or latent.shape[2] != tts.hidden_size:
                 raise ValueError(f"audio_prompt_latents.{config.speaker} has shape {tuple(latent.shape)}, "

@@ -18,6 +18,7 @@ from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
 from services.common.batching import BatchOptions, StepBatcher, pipelined, session_of
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
+from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
@@ -38,10 +39,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
                                                 key=session_of)
 
-    async def load(self, model_dir: str | Path, float32_weights: bool = False,
-                   max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS, split_matmuls: bool = False) -> None:
-        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, float32_weights, max_prefix_steps,
-                                                   split_matmuls)
+    async def load(self, model_dir: str | Path, options: LoadOptions = AS_STORED,
+                   max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
+        self.engine = await self.engine_thread.run(TTSEngine.load, model_dir, options, max_prefix_steps)
         await self.batcher.precompile(self.engine.precompile)
         self.metrics.frame_budget_s = self.engine.config.frame_duration
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.loading import LoadOptions
 from services.llm.engine import LanguageEngine
 from tests.conftest import GOLDEN
 
@@ -26,7 +27,7 @@ def engines(request, tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
     biases kept in float32; the bf16 prompt prefix casts them back): both must give the reference's numbers."""
     paths = {"dense": tiny_checkpoint, "4bit": tiny4_checkpoint, "mixed": tinymix_checkpoint}
     wide = request.param == "float32"
-    return {name: LanguageEngine.load(path, float32_weights=wide) for name, path in paths.items()}
+    return {name: LanguageEngine.load(path, options=LoadOptions(float32_weights=wide)) for name, path in paths.items()}
 
 
 def _golden(name):
@@ -94,7 +95,7 @@ def test_bf16_weights_mode_equals_the_reference_on_the_dequantized_checkpoint(ti
     (tools/dequantize_checkpoint.py), so ids and logits must agree exactly, also with the dequantized weights
     kept in float32."""
     z, _ = _golden("offline_4bit_bf16")
-    engine = LanguageEngine.load(tiny4_checkpoint, weights_dtype="bfloat16", float32_weights=float32_weights)
+    engine = LanguageEngine.load(tiny4_checkpoint, options=LoadOptions("bfloat16", float32_weights))
     assert engine.model.embed_tokens.spec is None and engine.model.embed_tokens.weight.dtype == mx.bfloat16
     for layer in (engine.model.lm_head, engine.model.function_head):
         assert layer.spec is None and layer.weight.dtype == (mx.float32 if float32_weights else mx.bfloat16)

@@ -9,6 +9,7 @@ On this machine every float matches bit for bit (max-abs 0); the bound asserted 
 import numpy as np
 import pytest
 
+from services.common.loading import LoadOptions
 from services.perception.engine import PerceptionEngine
 from tests.conftest import load_golden
 
@@ -32,7 +33,8 @@ def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
         if kind not in cache:
             path = {"tiny": tiny_checkpoint, "tiny32": tiny_checkpoint, "tiny4": tiny4_checkpoint,
                     "tinymix": tinymix_checkpoint}[kind]
-            cache[kind] = PerceptionEngine.load(path, float32_weights=kind == "tiny32")  # tiny32: float32 copies
+            wide = LoadOptions(float32_weights=kind == "tiny32")  # tiny32: float32 copies
+            cache[kind] = PerceptionEngine.load(path, wide)
         return cache[kind]
 
     return get

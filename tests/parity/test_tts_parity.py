@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.loading import LoadOptions
 from services.tts.engine import TTSEngine
 from services.tts.prompt import warmup_codes
 from tests.conftest import load_golden
@@ -36,7 +37,8 @@ def engine_for(request, fixture: str) -> TTSEngine:
     """`fixture` names a checkpoint fixture; a `:float32` suffix loads it with float32 weight copies."""
     if fixture not in _engines:
         name, _, mode = fixture.partition(":")
-        _engines[fixture] = TTSEngine.load(request.getfixturevalue(name), float32_weights=mode == "float32")
+        wide = LoadOptions(float32_weights=mode == "float32")
+        _engines[fixture] = TTSEngine.load(request.getfixturevalue(name), wide)
     return _engines[fixture]
 
 

@@ -179,17 +179,29 @@ def test_run_entries_skips_the_batch_when_nothing_is_left():
     assert ran == [] and isinstance(results[0], ValueError)
 
 
-def test_services_keep_float32_matmuls_out_of_tf32_unless_told(tmp_path):
+def test_entry_points_keep_float32_matmuls_out_of_tf32_unless_told(tmp_path):
+    """Importing the services sets nothing; a service's entry point (`run_service`, here failing on a missing
+    model directory after it) and the orchestrator's set MLX_ENABLE_TF32=0 unless the environment chose."""
     import os
     import subprocess
     import sys
 
-    probe = "import os, services; print(os.environ['MLX_ENABLE_TF32'])"
+    imported = "import os, services.llm.engine, orchestrator.cli; print(os.environ.get('MLX_ENABLE_TF32'))"
+    service = ("import os\nfrom services.common.cli import run_service\n"
+               "try:\n    run_service(None, prog='p', description='d', argv=['--model', '/nonexistent'])\n"
+               "except SystemExit:\n    print(os.environ.get('MLX_ENABLE_TF32'))")
+    orchestrator = ("import os\nfrom orchestrator.cli import main\n"
+                    "try:\n    main(['--help'])\nexcept SystemExit:\n    print(os.environ.get('MLX_ENABLE_TF32'))")
     env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
-    default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    chosen = subprocess.run([sys.executable, "-c", probe], env={**env, "MLX_ENABLE_TF32": "1"},
-                            capture_output=True, text=True, check=True)
-    assert (default.stdout.strip(), chosen.stdout.strip()) == ("0", "1")
+
+    def probe(code: str, **extra: str) -> str:
+        run = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        return run.stdout.strip().splitlines()[-1]
+
+    assert probe(imported) == "None"
+    assert [probe(service), probe(service, MLX_ENABLE_TF32="1")] == ["0", "1"]
+    assert [probe(orchestrator), probe(orchestrator, MLX_ENABLE_TF32="1")] == ["0", "1"]
 
 
 def test_queued_and_running_count_the_steps_not_yet_answered(engine_thread):

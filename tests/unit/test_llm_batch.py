@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.common.errors import LimitExceeded
+from services.common.loading import LoadOptions
 from services.llm.engine import LanguageEngine
 from services.llm.nemotron_h import BatchedStep
 from tests.conftest import GOLDEN
@@ -46,7 +47,7 @@ def engines(tiny_checkpoint, tiny4_checkpoint, tinymix_checkpoint):
         "dense": LanguageEngine.load(tiny_checkpoint, max_prompt_tokens=32),
         "4bit": LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32),
         "mixed": LanguageEngine.load(tinymix_checkpoint, max_prompt_tokens=32),
-        "4bit-as-bf16": LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32, weights_dtype="bfloat16"),
+        "4bit-as-bf16": LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32, options=LoadOptions("bfloat16")),
     }
 
 
@@ -500,8 +501,7 @@ def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_not
     import random
 
     traces = compile_traces
-    engine = LanguageEngine.load(tiny_checkpoint, weights_dtype=None if weights == "stored" else weights,
-                                 float32_weights=True)
+    engine = LanguageEngine.load(tiny_checkpoint, options=LoadOptions(weights, float32_weights=True))
     engine.precompile(6)
     assert traces  # the pieces were traced at load, through the counting compile
     traces.clear()

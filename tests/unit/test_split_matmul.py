@@ -11,11 +11,13 @@ import pytest
 from services.common import layers, split_matmul
 from services.common.config import QuantSpec
 from services.common.layers import Linear, widen
+from services.common.loading import LoadOptions
 from services.llm.engine import LanguageEngine
 from services.perception.engine import PerceptionEngine
 from services.tts.engine import TTSEngine
 
 RNG = np.random.default_rng(0)
+WIDE, WIDE_SPLIT = LoadOptions(float32_weights=True), LoadOptions(float32_weights=True, split_matmuls=True)
 _on_cuda = pytest.mark.skipif(not split_matmul.available(), reason="the split kernels run on a CUDA GPU only")
 
 
@@ -75,32 +77,32 @@ def test_a_split_layer_sends_float32_inputs_to_the_kernel_and_bf16_inputs_to_the
 def test_without_a_cuda_device_the_language_engine_refuses_split_matmuls(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(split_matmul, "available", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
-        LanguageEngine.load(tiny_checkpoint, split_matmuls=True)
+        LanguageEngine.load(tiny_checkpoint, options=LoadOptions(split_matmuls=True))
 
 
 def test_split_matmuls_need_dense_bf16_projections(tiny4_checkpoint, monkeypatch):
     monkeypatch.setattr(split_matmul, "available", lambda: True)  # the check comes after the load: no kernel runs
     with pytest.raises(ValueError, match="no dense bf16 projection"):
-        LanguageEngine.load(tiny4_checkpoint, split_matmuls=True)
+        LanguageEngine.load(tiny4_checkpoint, options=LoadOptions(split_matmuls=True))
 
 
 @pytest.mark.parametrize("engine", [PerceptionEngine, TTSEngine])
 def test_without_a_cuda_device_perception_and_speech_refuse_split_matmuls(engine, tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(split_matmul, "available", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
-        engine.load(tiny_checkpoint, split_matmuls=True)
+        engine.load(tiny_checkpoint, LoadOptions(split_matmuls=True))
 
 
 def test_a_mixed_bit_checkpoint_routes_only_its_dense_projections(tinymix_checkpoint, monkeypatch):
     monkeypatch.setattr(split_matmul, "available", lambda: True)  # nothing runs: routing is decided at load
-    engine = PerceptionEngine.load(tinymix_checkpoint, split_matmuls=True)
+    engine = PerceptionEngine.load(tinymix_checkpoint, options=LoadOptions(split_matmuls=True))
     modules = [engine.encoder, engine.proj, engine.rnnt.joint]
     everything = layers.linears(modules)
     dense = [m for m in everything if m.spec is None and split_matmul.supports(m.weight)]
     assert 0 < len(dense) < len(everything)  # the map keeps a few perception layers dense
     assert [m for m in everything if m.split] == dense
     with pytest.raises(ValueError, match="no dense bf16 projection"):  # every speech projection is quantized
-        TTSEngine.load(tinymix_checkpoint, split_matmuls=True)
+        TTSEngine.load(tinymix_checkpoint, options=LoadOptions(split_matmuls=True))
 
 
 def _float32_product(calls):
@@ -125,11 +127,11 @@ def _perception_frames(engine, frames):
 
 def test_perception_routes_its_float32_projections_through_the_kernel(tiny_checkpoint, monkeypatch):
     frames = [(0.1 * RNG.standard_normal((2, 1280))).astype(np.float32) for _ in range(20)]
-    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, options=WIDE), frames)
     calls = []
     monkeypatch.setattr(split_matmul, "available", lambda: True)
     monkeypatch.setattr(split_matmul, "split_matmul", _float32_product(calls))
-    engine = PerceptionEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True)
+    engine = PerceptionEngine.load(tiny_checkpoint, options=WIDE_SPLIT)
     routed = _split_linears([engine.encoder, engine.proj, engine.rnnt.joint])
     assert routed and all(layer.weight.dtype == mx.bfloat16 for layer in routed)
     assert engine.encoder.layers[0].norm_ff1.weight.dtype == mx.float32  # the rest still widened
@@ -151,11 +153,11 @@ def _speech_codes(engine, frames):
 
 def test_speech_routes_its_float32_projections_through_the_kernel(tiny_checkpoint, monkeypatch):
     frames = [RNG.integers(16, 1000, 2).tolist() for _ in range(12)]
-    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True), frames)
+    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, options=WIDE), frames)
     calls = []
     monkeypatch.setattr(split_matmul, "available", lambda: True)
     monkeypatch.setattr(split_matmul, "split_matmul", _float32_product(calls))
-    engine = TTSEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True)
+    engine = TTSEngine.load(tiny_checkpoint, options=WIDE_SPLIT)
     model = engine.model
     routed = _split_linears([model.backbone, model.embed_code, model.fusion.audio_proj, model.mog_head])
     assert routed and all(layer.weight.dtype == mx.bfloat16 for layer in routed)
@@ -223,7 +225,7 @@ def test_the_language_engine_with_split_matmuls_gives_the_float32_weights_ids_an
     embeds = [_array(3, 128) for _ in range(12)]
     results = []
     for split in (False, True):
-        engine = LanguageEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=split)
+        engine = LanguageEngine.load(tiny_checkpoint, options=LoadOptions(float32_weights=True, split_matmuls=split))
         sessions = [engine.open_session() for _ in range(3)]
         rows = []
         for frame in embeds:
@@ -239,8 +241,8 @@ def test_the_language_engine_with_split_matmuls_gives_the_float32_weights_ids_an
 @cuda
 def test_perception_with_split_matmuls_gives_the_float32_weights_tokens_and_near_embeddings(tiny_checkpoint):
     frames = [(0.1 * RNG.standard_normal((2, 1280))).astype(np.float32) for _ in range(20)]
-    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True), frames)
-    split = _perception_frames(PerceptionEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True),
+    plain = _perception_frames(PerceptionEngine.load(tiny_checkpoint, options=WIDE), frames)
+    split = _perception_frames(PerceptionEngine.load(tiny_checkpoint, options=WIDE_SPLIT),
                                frames)
     for a, b in zip(plain, split, strict=True):
         assert [ids for ids, _ in a] == [ids for ids, _ in b]
@@ -251,8 +253,8 @@ def test_perception_with_split_matmuls_gives_the_float32_weights_tokens_and_near
 @cuda
 def test_speech_with_split_matmuls_gives_the_float32_weights_codes(tiny_checkpoint):
     frames = [RNG.integers(16, 1000, 2).tolist() for _ in range(12)]
-    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True), frames)
-    split = _speech_codes(TTSEngine.load(tiny_checkpoint, float32_weights=True, split_matmuls=True), frames)
+    plain = _speech_codes(TTSEngine.load(tiny_checkpoint, options=WIDE), frames)
+    split = _speech_codes(TTSEngine.load(tiny_checkpoint, options=WIDE_SPLIT), frames)
     for a, b in zip(plain, split, strict=True):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(y, x)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.config import TTSConfig
+from services.common.loading import LoadOptions
 from services.tts.blocks import GemmaRMSNorm, OffsetRMSNorm
 from services.tts.model import EarTts, mask_schedule
 from services.tts.mog import top_p_mask
@@ -177,7 +178,8 @@ def test_widened_refinement_converts_no_gathered_row_nor_code_and_draws_the_same
     from bench.stages import KernelCounter
     from services.tts.engine import TTSEngine
 
-    plain, wide = TTSEngine.load(tiny_checkpoint).model, TTSEngine.load(tiny_checkpoint, True).model
+    plain = TTSEngine.load(tiny_checkpoint).model
+    wide = TTSEngine.load(tiny_checkpoint, LoadOptions(float32_weights=True)).model
     assert wide.mog_head.proj_mus.dtype == wide.mog_head.low_mat.dtype == mx.float32
     assert plain.mog_head.proj_mus.dtype == mx.bfloat16  # as stored without the flag
     hidden = mx.random.normal((2, 1, wide.config.hidden_size), key=mx.random.key(5))
