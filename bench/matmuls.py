@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from services.common import layers, split_matmul
+from services.common.loading import LoadOptions, keep_float32_matmuls
 from services.llm.engine import LanguageEngine
 
 CHECK_COLUMNS = 4096
@@ -34,7 +35,7 @@ Product = Callable[[mx.array, mx.array], mx.array]
 
 def routed_shapes(model: Path) -> tuple[Counter, dict[tuple[int, int], mx.array]]:
     """How many routed projections of each (N, K) the language model has, and one weight of each shape."""
-    engine = LanguageEngine.load(model, weights_dtype="bfloat16", split_matmuls=True)
+    engine = LanguageEngine.load(model, options=LoadOptions("bfloat16", split_matmuls=True))
     found = [m for m in layers.linears([engine.model.backbone, engine.model.lm_head, engine.model.function_head])
              if m.split]
     counts = Counter(tuple(m.weight.shape) for m in found)
@@ -130,6 +131,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
     parser = argparse.ArgumentParser(prog="python -m bench.matmuls", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--rows", default="1,16", help="row counts, comma-separated (default 1,16)")

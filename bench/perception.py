@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.stages import KernelCounter, SyncCounter, frames_of, summarize
+from services.common.loading import LoadOptions, keep_float32_matmuls
 from services.perception.engine import PerceptionEngine, PerceptionStream
 
 PARTS = ("mel", "encoder", "rnnt")
@@ -73,7 +74,7 @@ class Clock:
 
 
 def run(model: Path, frames: int, warmup: int, float32_weights: bool, count_kernels: bool) -> dict:
-    engine = PerceptionEngine.load(model, float32_weights=float32_weights)
+    engine = PerceptionEngine.load(model, LoadOptions(float32_weights=float32_weights))
     audio = frames_of(warmup + frames)
     whole, parted = engine.open_stream(), engine.open_stream()
     counter = KernelCounter() if count_kernels else None
@@ -105,6 +106,7 @@ def run(model: Path, frames: int, warmup: int, float32_weights: bool, count_kern
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frames", type=int, default=40)

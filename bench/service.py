@@ -61,6 +61,7 @@ from protos.voicechat.v1 import (
     speech_pb2_grpc,
 )
 from services.common.config import VoiceChatConfig
+from services.common.loading import AS_STORED, LoadOptions, keep_float32_matmuls
 from services.common.metrics import scrape
 from services.common.tensors import to_proto_np
 
@@ -159,8 +160,7 @@ class EngineDriver:
     """One service's engine loaded in this process, stepped with synthetic but valid input: `open()` a session,
     `step(sessions)` them as one batched call (one session: the solo path)."""
 
-    def __init__(self, name: str, model: Path, config: VoiceChatConfig, llm_weights_dtype: str | None = None,
-                 float32_weights: bool = False, split_matmuls: bool = False) -> None:
+    def __init__(self, name: str, model: Path, config: VoiceChatConfig, options: LoadOptions = AS_STORED) -> None:
         import mlx.core as mx
 
         rng = np.random.default_rng(0)
@@ -169,15 +169,14 @@ class EngineDriver:
         if name == "perception":
             from services.perception.engine import PerceptionEngine
 
-            engine = PerceptionEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
+            engine = PerceptionEngine.load(model, options)
             self._open = engine.open_stream
             self._batch = lambda live: engine.push_batch([  # noqa: E731
                 (s, (0.1 * rng.standard_normal(config.input_frame_samples)).astype(np.float32)) for s in live])
         elif name == "llm":
             from services.llm.engine import LanguageEngine
 
-            engine = LanguageEngine.load(model, weights_dtype=llm_weights_dtype, float32_weights=float32_weights,
-                                         split_matmuls=split_matmuls)
+            engine = LanguageEngine.load(model, options=options)
             hidden = config.text_config.hidden_size
             self._open = lambda: engine.open_session("")  # noqa: E731
             self._close = engine.close_session  # its pools hold the sessions' stacked states until closed
@@ -186,7 +185,7 @@ class EngineDriver:
         elif name == "tts":
             from services.tts.engine import TTSEngine
 
-            engine = TTSEngine.load(model, float32_weights=float32_weights, split_matmuls=split_matmuls)
+            engine = TTSEngine.load(model, options)
             cb = config.tts_config.codebook_size
             prompt = np.random.default_rng(0).integers(0, cb, (engine.prompt_frames, engine.num_quantizers))
             self._open = lambda: engine.open_session(0, prompt.astype(np.int32), 0)  # noqa: E731
@@ -228,8 +227,7 @@ class EngineDriver:
 
 
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
-               llm_weights_dtype: str | None = None, float32_weights: bool = False,
-               split_matmuls: bool = False, partial: int = 0, host_split: bool = False,
+               options: LoadOptions = AS_STORED, partial: int = 0, host_split: bool = False,
                kernels: int = 0) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path), with `partial` of them left out of every third
@@ -240,7 +238,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     from bench.stages import EvalSplit
 
     recorder = KernelRecorder() if kernels else None  # before the load: a host that cannot record says so at once
-    driver = EngineDriver(name, model, config, llm_weights_dtype, float32_weights, split_matmuls)
+    driver = EngineDriver(name, model, config, options)
     driver.precompile(max(sessions))
     report = {}
     split = EvalSplit()
@@ -332,6 +330,7 @@ def session_counts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("service", choices=SERVICES)
     parser.add_argument("--model", type=Path, required=True, help="checkpoint (its config shapes the inputs)")
@@ -387,9 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hold: needs --no-grpc and one session count, and takes none of --partial, --host-split "
                      "and --kernels")
     config = VoiceChatConfig.load(args.model)
-    dtype = None if args.weights_dtype == "stored" else args.weights_dtype
+    # --weights-dtype is the language model's alone
+    options = LoadOptions(args.weights_dtype if args.service == "llm" else "stored", args.float32_weights,
+                          args.split_matmuls)
     if args.hold:
-        return _hold(args, config, dtype)
+        return _hold(args, config, options)
     child = None
     address = args.address
     metrics_url = args.metrics_url
@@ -417,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         if child is not None:
             stop([child])
     try:
-        local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, dtype,
-                            args.float32_weights, args.split_matmuls, args.partial, args.host_split, args.kernels)
+        local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, options,
+                            args.partial, args.host_split, args.kernels)
                  if args.in_process else {})
     except KernelRecorderError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -465,12 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _hold(args: argparse.Namespace, config: VoiceChatConfig, dtype: str | None) -> int:
+def _hold(args: argparse.Namespace, config: VoiceChatConfig, options: LoadOptions) -> int:
     """--hold: step until SIGTERM or SIGINT, then exit 0 with the steps run."""
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    driver = EngineDriver(args.service, args.model, config, dtype, args.float32_weights, args.split_matmuls)
+    driver = EngineDriver(args.service, args.model, config, options)
     steps = hold(driver, args.sessions[0], args.frames, args.warmup, stopping.is_set)
     print(f"held: {steps} steps of {args.sessions[0]} sessions", flush=True)
     return 0

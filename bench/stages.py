@@ -33,6 +33,7 @@ import numpy as np
 
 from orchestrator.profile import percentile
 from services.codec.engine import CodecEngine
+from services.common.loading import LoadOptions, keep_float32_matmuls
 from services.llm.engine import LanguageEngine
 from services.perception.engine import PerceptionEngine
 from services.tts.engine import TTSEngine
@@ -257,9 +258,9 @@ def frames_of(frames: int) -> np.ndarray:
 def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_kernels: bool = False,
         split_eval: bool = False, float32_weights: bool = False) -> dict:
     t0 = time.perf_counter()
-    wide = {"float32_weights": float32_weights}
-    perception, language = PerceptionEngine.load(model, **wide), LanguageEngine.load(model, **wide)
-    speech, codec = TTSEngine.load(model, **wide), CodecEngine.load(model)
+    wide = LoadOptions(float32_weights=float32_weights)
+    perception, language = PerceptionEngine.load(model, wide), LanguageEngine.load(model, options=wide)
+    speech, codec = TTSEngine.load(model, wide), CodecEngine.load(model)
     load_s = time.perf_counter() - t0
     audio = frames_of(frames + warmup)
     stream = perception.open_stream()
@@ -326,6 +327,7 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frames", type=int, default=50)

@@ -40,7 +40,7 @@ TILE = 16  # the sides of a supported weight are multiples of this
 BLOCK_K = 64  # K is split in whole blocks of this (the rest, in 16-wide steps, goes to the last range)
 ROW_TILE = 8  # x rows per mma (its n side); a block takes one or two tiles, 16 rows at most
 # The layout, the fastest of those measured on an H200 at the language model's shapes (`bench.matmuls`,
-# docs/performance.md): a warp takes 4 16-row tiles of W, one 64-wide block of K at a time, and a weight giving
+# docs/performance-history.md): a warp takes 4 16-row tiles of W, one 64-wide block of K at a time, and a weight giving
 # fewer than TARGET_WARPS warps is split along K until it gives about that many. A function of the weight's
 # shape only, never of the rows.
 COLUMN_TILES = 4
