@@ -3,11 +3,15 @@
 A session keeps its state in cache objects (attention keys and values, Mamba conv tails and SSM states, the
 conformer's and the codec's streaming buffers, the last codes and random keys). A batched step merges the
 sessions' caches into one batch, runs the model over it, and hands each session its rows back; the model files
-only do math on the batch they are given. The operations, one per kind of state:
+only do math on the batch they are given. The cache types are here: `FullCache` (every attention key so far),
+`RingCache` (a sliding window of keys), `MambaCache` (a Mamba layer's conv tail and SSM state); perception's and
+the codec's streaming states are plain arrays the engines batch with `RowSources`. The operations, one per kind
+of state:
 
 - `RowSources`: any per-session array (B rows -> (1, ...) views and back). `split` hands out rows that are views
-  of the batched array; `gather` of the same rows is that array again (no copy), of some of them one take.
-- `StatePool`: the same for a set of states that the next batch may run over whole, some rows sitting out
+  of the batched array; `gather` of the same rows is that array again (no copy), of a run of them a view, else
+  one take; `arrange` orders a batch so that its gather copies least.
+- `StatePools`: the same for a set of states that the next batch may run over whole, some rows sitting out
   (`rows_of`, `write_rows`), and that a session leaving gets its own copies of (`detach`).
 - `GroupedCache` / `LayerGroup`: attention caches (full and ring buffers), whose batched form is one pair of
   arrays written in place each step; `attend_sessions` is their batched write-and-attend.
@@ -307,6 +311,155 @@ def length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
     """(len(lengths) * per, 1, 1, max(lengths)) bool: row r sees the first lengths[r // per] keys."""
     rows = np.repeat(np.asarray(lengths), per)
     return mx.array(np.arange(max(lengths))[None, :] < rows[:, None])[:, None, None, :]
+
+
+# ---- the cache types ------------------------------------------------------------------------------------
+
+GROW = 256  # attention caches grow in blocks of this many positions, as the reference's caches allocate
+
+
+class FullCache(GroupedCache):
+    """Attention keys and values, every one so far in time order: (B, kv_heads, capacity, head_dim), grown
+    GROW positions at a time (the speech backbone's global layers, every attention layer of the language model).
+
+    The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later float32 keys in bf16,
+    exactly as the reference's cache does)."""
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._own()
+        n = keys.shape[2]
+        if self._keys is None or self.offset + n > self._keys.shape[2]:
+            b, h, _, d = keys.shape
+            size = (GROW + n - 1) // GROW * GROW
+            grow_k = mx.zeros((b, h, size, d), keys.dtype)
+            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
+            if self._keys is None:
+                self._keys, self._values = grow_k, grow_v
+            else:
+                self._keys = mx.concatenate([self._keys[..., : self.offset, :], grow_k], axis=2)
+                self._values = mx.concatenate([self._values[..., : self.offset, :], grow_v], axis=2)
+        self._keys[..., self.offset : self.offset + n, :] = keys
+        self._values[..., self.offset : self.offset + n, :] = values
+        self.offset += n
+        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
+
+    def plan_one(self) -> Plan:
+        """What `update` does with one key: a full buffer grows by GROW keys past the keys so far."""
+        capacity = self.capacity if self.offset < self.capacity else self.offset + GROW
+        return Plan(self.offset, self.offset + 1, capacity)
+
+    def mask(self, n: int) -> str | None:
+        return "causal" if n > 1 else None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+class RingCache(GroupedCache):
+    """Sliding-window attention keys and values, the last `window` keys (the speech backbone's local layers): a
+    multi-token update appends in time order; single tokens overwrite a ring.
+
+    Mirrors the reference's rotating cache layout exactly (slot order decides the attention sum's order).
+    """
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.slot = 0  # next write position in the buffer
+
+    def _in_time_order(self, v: mx.array) -> mx.array:
+        if self.slot == v.shape[2]:
+            return v
+        if self.slot < self.offset:
+            return mx.concatenate([v[..., self.slot :, :], v[..., : self.slot, :]], axis=2)
+        return v[..., : self.slot, :]
+
+    def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._keys is None:
+            self._keys, self._values = keys, values
+        else:
+            self._keys, self._values = self._in_time_order(self._keys), self._in_time_order(self._values)
+            drop = max(self._keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
+            self._keys = mx.concatenate([self._keys[..., drop:, :], keys], axis=2)
+            self._values = mx.concatenate([self._values[..., drop:, :], values], axis=2)
+        self.offset += keys.shape[2]
+        self.slot = self._keys.shape[2]
+        return self._keys, self._values
+
+    def plan_one(self) -> Plan:
+        """What a single-key update does: the buffer grows by up to GROW keys until it holds `window`; a buffer
+        left longer by a multi-token append drops its oldest keys; the slot wraps at `window`."""
+        capacity, slot, trim = self.capacity, self.slot, 0
+        if capacity == 0 or (self.offset >= capacity and capacity < self.window):
+            capacity += min(GROW, self.window - self.offset)
+            slot = self.offset
+        if capacity > self.window:  # after a long multi-token append: keep the newest `window` keys
+            trim, capacity, slot = capacity - self.window, self.window, self.window
+        if slot == self.window:
+            slot = 0
+        visible = self.offset + 1 if self.offset + 1 < self.window else capacity
+        return Plan(slot, visible, capacity, slot + 1, trim)
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        plan = self.plan_one()
+        grow = plan.capacity + plan.trim - self.capacity
+        if grow:
+            b, h, _, d = keys.shape
+            grow_k = mx.zeros((b, h, grow, d), keys.dtype)
+            grow_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+            if self._keys is None:
+                self._keys, self._values = grow_k, grow_v
+            else:
+                self._keys = mx.concatenate([self._keys, grow_k], axis=2)
+                self._values = mx.concatenate([self._values, grow_v], axis=2)
+        if plan.trim:
+            self._keys, self._values = self._keys[..., plan.trim :, :], self._values[..., plan.trim :, :]
+        self._keys[..., plan.slot : plan.slot + 1, :] = keys
+        self._values[..., plan.slot : plan.slot + 1, :] = values
+        self.offset += 1
+        self.slot = plan.next_slot
+        return self._keys[..., : plan.visible, :], self._values[..., : plan.visible, :]
+
+    def _advance(self, plan: Plan) -> None:
+        super()._advance(plan)
+        self.slot = plan.next_slot
+
+    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._own()
+        if keys.shape[2] == 1:
+            return self._write_one(keys, values)
+        return self._append(keys, values)
+
+    def mask(self, n: int) -> str | mx.array | None:
+        """Mask for n new queries, taken before the update (a single query sees the whole ring)."""
+        if n == 1:
+            return None
+        offset = min(self.window - 1, self.offset)
+        if offset + n <= self.window:
+            return "causal"
+        rows = mx.arange(offset, offset + n)[:, None]
+        cols = mx.arange(offset + n)[None]
+        return (rows >= cols) & (rows < cols + self.window)
+
+
+@dataclass
+class MambaCache:
+    """A Mamba2 layer's state: conv tail (B, K-1, conv_dim) and SSM state (B, H, head_dim, state). A batched
+    step stacks `state` with the other sessions' (`StatePools`)."""
+
+    conv: mx.array | None = None
+    ssm: mx.array | None = None
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.conv, self.ssm
+
+    @state.setter
+    def state(self, state: tuple[mx.array, mx.array]) -> None:
+        self.conv, self.ssm = state
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv, self.ssm) if a is not None]
 
 
 # ---- attention caches: the batched write-and-attend ---------------------------------------------------------

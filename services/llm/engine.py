@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from services.common import layers, split_matmul
 from services.common.batching import raise_first
-from services.common.cache import STACK_ALL, StatePools, group_by_signature, stack_limit
+from services.common.cache import STACK_ALL, FullCache, MambaCache, StatePools, group_by_signature, stack_limit
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
@@ -31,10 +31,8 @@ from services.llm.nemotron_h import (
     WEIGHT_PREFIXES,
     Block,
     DuplexLanguageModel,
-    KVCache,
     LayerCache,
     Mamba2Mixer,
-    MambaCache,
     NemotronH,
 )
 
@@ -415,7 +413,7 @@ class LanguageEngine:
         out, states = self.model.batched_step(prev_text, audio.reshape(b, 1, -1), prev_function, batch.states,
                                               [s.caches for s in members], heads, batch.active, self.stack_up_to)
         to_eval += [*self._pools.scatter(batch, states), *out]
-        to_eval += [a for s in sessions for c in s.caches if isinstance(c, KVCache) for a in c.arrays()]
+        to_eval += [a for s in sessions for c in s.caches if isinstance(c, FullCache) for a in c.arrays()]
         for session in sessions:
             session.positions += 1
         return functools.partial(self._finish, steps, batch.rows, out) if heads else functools.partial(_fed, sessions)

@@ -22,75 +22,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from services.common.cache import GroupedCache, Plan, attend_sessions
+from services.common.cache import FullCache, MambaCache, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
 from services.common.layers import Embedding, Linear, as_stored
 
 SSM_CHUNK = 256  # positions per block of the chunked state-space form
-KV_STEP = 256  # attention cache grows in blocks of this many positions
 WEIGHT_PREFIXES = ("stt_model.embed_tokens", "stt_model.llm", "stt_model.lm_head", "stt_model.function_head")
 
 
 # ---- caches ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class MambaCache:
-    """Per-layer Mamba2 state: conv tail (B, K-1, conv_dim) and SSM state (B, H, head_dim, state)."""
-
-    conv: mx.array | None = None
-    ssm: mx.array | None = None
-
-    @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """(conv, ssm): the rows a batched step stacks (`services.common.cache.StatePools`)."""
-        return self.conv, self.ssm
-
-    @state.setter
-    def state(self, state: tuple[mx.array, mx.array]) -> None:
-        self.conv, self.ssm = state
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.conv, self.ssm) if a is not None]
-
-
-class KVCache(GroupedCache):
-    """Per-layer attention keys/values (B, kv_heads, capacity, head_dim), grown KV_STEP positions at a time.
-
-    The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later f32 keys in bf16,
-    exactly as the reference's cache does). Sessions batched together may keep it as rows of a `LayerGroup`
-    (`services.common.cache.attend_sessions`)."""
-
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """keys, values: (B, kv_heads, L, head_dim) -> everything cached so far, (B, kv_heads, offset, head_dim)."""
-        self._own()
-        start, n = self.offset, keys.shape[2]
-        if self._keys is None or start + n > self._keys.shape[2]:
-            blocks = (KV_STEP + n - 1) // KV_STEP
-            b, heads, _, dim = keys.shape
-            grow_k = mx.zeros((b, heads, blocks * KV_STEP, dim), keys.dtype)
-            grow_v = mx.zeros((b, heads, blocks * KV_STEP, values.shape[3]), values.dtype)
-            if self._keys is None:
-                self._keys, self._values = grow_k, grow_v
-            else:
-                self._keys = mx.concatenate([self._keys[..., :start, :], grow_k], axis=2)
-                self._values = mx.concatenate([self._values[..., :start, :], grow_v], axis=2)
-        self.offset = start + n
-        self._keys[..., start : self.offset, :] = keys
-        self._values[..., start : self.offset, :] = values
-        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
-
-    def plan_one(self) -> Plan:
-        """What `update` does with one key: a full buffer grows by KV_STEP positions past the keys so far."""
-        capacity = self.capacity if self.offset < self.capacity else self.offset + KV_STEP
-        return Plan(self.offset, self.offset + 1, capacity)
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
-
-
-LayerCache = MambaCache | KVCache | None
+LayerCache = MambaCache | FullCache | None
 
 # ---- the state-space recurrence ----------------------------------------------------------------------------
 
@@ -314,7 +258,7 @@ class Attention:
         v = self.v_proj(x).reshape(b, length, self.kv_heads, -1).transpose(0, 2, 1, 3)
         return q, k, v
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | None) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: FullCache | None) -> mx.array:
         """Causal attention of q over the cache's earlier keys plus k; writes k, v to the cache.
         Returns (B, heads, L, Dh)."""
         if cache is not None:
@@ -327,7 +271,7 @@ class Attention:
         b, _, length, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: FullCache | None = None) -> mx.array:
         """x: (B, L, D) -> (B, L, D); causal over the cache's earlier positions plus these L."""
         return self.output(self.attend(*self.project(x), cache))
 
@@ -392,8 +336,8 @@ class NemotronH:
         return cls(blocks, w.get(f"{path}.norm_f.weight", (cfg.hidden_size,)), cfg.layer_norm_epsilon)
 
     def make_caches(self) -> list[LayerCache]:
-        """One cache per block: MambaCache for 'M', KVCache for '*', None for '-'."""
-        return [MambaCache() if b.kind == "M" else KVCache() if b.kind == "*" else None for b in self.blocks]
+        """One cache per block: MambaCache for 'M', FullCache for '*', None for '-'."""
+        return [MambaCache() if b.kind == "M" else FullCache() if b.kind == "*" else None for b in self.blocks]
 
     def __call__(self, x: mx.array, caches: list[LayerCache] | None = None) -> mx.array:
         """x: (B, L, D) -> (B, L, D). Without caches the whole sequence is computed from scratch."""

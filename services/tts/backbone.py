@@ -1,4 +1,4 @@
-"""The Gemma-3-style EAR-TTS backbone, run on injected embeddings, with its per-session caches.
+"""The Gemma-3-style EAR-TTS backbone, run on injected embeddings, over caches from services.common.cache.
 
 Layer i is global when (i + 1) % pattern == 0 (full cache, RoPE base `rope_global_base_freq`), otherwise
 sliding (a rotating cache of `sliding_window` keys, RoPE base `rope_local_base_freq`). Inputs are NOT scaled
@@ -24,128 +24,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from services.common.cache import GroupedCache, Plan, attend_sessions
+from services.common.cache import FullCache, RingCache, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
 from services.common.layers import Linear, Projections
 from services.tts.blocks import GatedMLP, GemmaRMSNorm
-
-_GROW = 256  # cache growth step, as the reference's caches allocate
-
-class FullCache(GroupedCache):
-    """Every key and value so far, in time order; keys: (B, H, T, Dh)."""
-
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self._own()
-        n = keys.shape[2]
-        if self._keys is None or self.offset + n > self._keys.shape[2]:
-            b, h, _, d = keys.shape
-            size = (_GROW + n - 1) // _GROW * _GROW
-            grow_k = mx.zeros((b, h, size, d), keys.dtype)
-            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
-            if self._keys is None:
-                self._keys, self._values = grow_k, grow_v
-            else:
-                self._keys = mx.concatenate([self._keys[..., : self.offset, :], grow_k], axis=2)
-                self._values = mx.concatenate([self._values[..., : self.offset, :], grow_v], axis=2)
-        self._keys[..., self.offset : self.offset + n, :] = keys
-        self._values[..., self.offset : self.offset + n, :] = values
-        self.offset += n
-        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
-
-    def plan_one(self) -> Plan:
-        """What `update` does with one key: a full buffer grows by _GROW keys past the keys so far."""
-        capacity = self.capacity if self.offset < self.capacity else self.offset + _GROW
-        return Plan(self.offset, self.offset + 1, capacity)
-
-    def mask(self, n: int) -> str | None:
-        return "causal" if n > 1 else None
-
-
-class RingCache(GroupedCache):
-    """The last `window` keys: a multi-token update appends in time order; single tokens overwrite a ring.
-
-    Mirrors the reference's rotating cache layout exactly (slot order decides the attention sum's order).
-    """
-
-    def __init__(self, window: int) -> None:
-        super().__init__()
-        self.window = window
-        self.slot = 0  # next write position in the buffer
-
-    def _in_time_order(self, v: mx.array) -> mx.array:
-        if self.slot == v.shape[2]:
-            return v
-        if self.slot < self.offset:
-            return mx.concatenate([v[..., self.slot :, :], v[..., : self.slot, :]], axis=2)
-        return v[..., : self.slot, :]
-
-    def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self._keys is None:
-            self._keys, self._values = keys, values
-        else:
-            self._keys, self._values = self._in_time_order(self._keys), self._in_time_order(self._values)
-            drop = max(self._keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
-            self._keys = mx.concatenate([self._keys[..., drop:, :], keys], axis=2)
-            self._values = mx.concatenate([self._values[..., drop:, :], values], axis=2)
-        self.offset += keys.shape[2]
-        self.slot = self._keys.shape[2]
-        return self._keys, self._values
-
-    def plan_one(self) -> Plan:
-        """What a single-key update does: the buffer grows by up to _GROW keys until it holds `window`; a buffer
-        left longer by a multi-token append drops its oldest keys; the slot wraps at `window`."""
-        capacity, slot, trim = self.capacity, self.slot, 0
-        if capacity == 0 or (self.offset >= capacity and capacity < self.window):
-            capacity += min(_GROW, self.window - self.offset)
-            slot = self.offset
-        if capacity > self.window:  # after a long multi-token append: keep the newest `window` keys
-            trim, capacity, slot = capacity - self.window, self.window, self.window
-        if slot == self.window:
-            slot = 0
-        visible = self.offset + 1 if self.offset + 1 < self.window else capacity
-        return Plan(slot, visible, capacity, slot + 1, trim)
-
-    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        plan = self.plan_one()
-        grow = plan.capacity + plan.trim - self.capacity
-        if grow:
-            b, h, _, d = keys.shape
-            grow_k = mx.zeros((b, h, grow, d), keys.dtype)
-            grow_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
-            if self._keys is None:
-                self._keys, self._values = grow_k, grow_v
-            else:
-                self._keys = mx.concatenate([self._keys, grow_k], axis=2)
-                self._values = mx.concatenate([self._values, grow_v], axis=2)
-        if plan.trim:
-            self._keys, self._values = self._keys[..., plan.trim :, :], self._values[..., plan.trim :, :]
-        self._keys[..., plan.slot : plan.slot + 1, :] = keys
-        self._values[..., plan.slot : plan.slot + 1, :] = values
-        self.offset += 1
-        self.slot = plan.next_slot
-        return self._keys[..., : plan.visible, :], self._values[..., : plan.visible, :]
-
-    def _advance(self, plan: Plan) -> None:
-        super()._advance(plan)
-        self.slot = plan.next_slot
-
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self._own()
-        if keys.shape[2] == 1:
-            return self._write_one(keys, values)
-        return self._append(keys, values)
-
-    def mask(self, n: int) -> str | mx.array | None:
-        """Mask for n new queries, taken before the update (a single query sees the whole ring)."""
-        if n == 1:
-            return None
-        offset = min(self.window - 1, self.offset)
-        if offset + n <= self.window:
-            return "causal"
-        rows = mx.arange(offset, offset + n)[:, None]
-        cols = mx.arange(offset + n)[None]
-        return (rows >= cols) & (rows < cols + self.window)
 
 
 @dataclass

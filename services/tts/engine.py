@@ -28,13 +28,12 @@ from tokenizers import Tokenizer
 
 from services.common import split_matmul
 from services.common.batching import raise_first
-from services.common.cache import RowSources, group_by_signature, stack_limit, take_index
+from services.common.cache import FullCache, RingCache, RowSources, group_by_signature, stack_limit, take_index
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, LoadOptions
-from services.tts.backbone import FullCache, RingCache
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
 from services.tts.mog import MoGHead

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from services.common.cache import FullCache, RingCache
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
 from services.common.layers import Linear
-from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
+from services.tts.backbone import Gemma3Backbone
 from services.tts.blocks import OffsetRMSNorm
 from services.tts.mog import MoGHead
 from services.tts.rng import BatchKeySequence, KeySequence, SessionKey

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from services.common.cache import attend_sessions
-from services.tts.backbone import FullCache, RingCache
+from services.common.cache import FullCache, RingCache, attend_sessions
 from services.tts.rng import BatchKeySequence
 
 if TYPE_CHECKING:

@@ -8,8 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.common.cache import LayerGroup
-from services.tts.backbone import FullCache, RingCache
+from services.common.cache import FullCache, LayerGroup, RingCache
 
 HEADS, DIM, PER = 2, 4, 2  # two rows a session, as the speech backbone's guided rows
 SCALE = DIM**-0.5

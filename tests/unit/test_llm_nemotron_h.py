@@ -9,7 +9,7 @@ import pytest
 from services.common.layers import Linear
 from services.llm.nemotron_h import (
     Attention,
-    KVCache,
+    FullCache,
     Mamba2Mixer,
     MambaCache,
     NemotronH,
@@ -93,7 +93,7 @@ def test_attention_cache_matches_recomputation():
     attn = _attention(seed=0)
     x = mx.array(np.random.default_rng(1).standard_normal((1, 9, 16)).astype(np.float32))
     whole = attn(x)  # causal over all 9 positions, no cache
-    cache = KVCache()
+    cache = FullCache()
     first = attn(x[:, :4], cache)  # a 4-position prefill, then one position at a time
     steps = [attn(x[:, t : t + 1], cache) for t in range(4, 9)]
     cached = mx.concatenate([first, *steps], axis=1)
@@ -108,7 +108,7 @@ def test_attention_cache_matches_recomputation():
 def test_kv_cache_keeps_its_first_dtype_until_it_grows():
     # As the reference's cache: f32 keys written after a bf16 prefix are rounded to bf16 within the first
     # block; growing concatenates an f32 block, which promotes the buffer.
-    cache = KVCache()
+    cache = FullCache()
     third = mx.full((1, 2, 10, 4), 1.0 / 3.0)
     cache.update(mx.ones((1, 2, 240, 4), mx.bfloat16), mx.ones((1, 2, 240, 4), mx.bfloat16))
     keys, _ = cache.update(third, third)
@@ -153,7 +153,7 @@ def test_backbone_makes_one_cache_per_block_kind(tiny_checkpoint):
     ck = Checkpoint(tiny_checkpoint)
     model = NemotronH.from_weights(ck.load(["stt_model.llm"]), "stt_model.llm", ck.config.text_config)
     kinds = [type(c).__name__ if c is not None else None for c in model.make_caches()]
-    expected = {"M": "MambaCache", "*": "KVCache", "-": None}
+    expected = {"M": "MambaCache", "*": "FullCache", "-": None}
     assert kinds == [expected[k] for k in ck.config.text_config.hybrid_override_pattern]
     x = mx.array(np.random.default_rng(0).standard_normal((1, 6, 128)).astype(np.float32))
     caches = model.make_caches()

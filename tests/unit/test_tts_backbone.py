@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.cache import FullCache, RingCache
 from services.common.checkpoint import Checkpoint
-from services.tts.backbone import FullCache, Gemma3Backbone, RingCache
+from services.tts.backbone import Gemma3Backbone
 
 
 def _kv(values):
