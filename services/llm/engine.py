@@ -40,10 +40,10 @@ MAX_PROMPT_TOKENS = 1024  # system prompt ids, bos and eos included
 MAX_FULL_HISTORY_POSITIONS = 4096  # the diagnostic mode recomputes everything each step: keep it bounded
 PREFIX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 # A batch of at least this share of a pool's sessions (the others' frames not due) runs over all of the pool's
-# rows, the others' states passed through as they are: its matmuls read the weights once at 15 rows as at 16,
-# while taking 15 sessions' rows of the stacked states and writing them back copies every state twice (on an
-# H200, 15 of 16 sessions took 54.8 ms a step that way against 36.4 ms for all 16). A smaller share takes its
-# rows, so that a step of two of sixteen costs a step of two.
+# rows (`StatePools`), the others' states passed through as they are: its matmuls read the weights once at 15 rows
+# as at 16, while taking 15 sessions' rows of the stacked states and writing them back copies every state twice
+# (on an H200, 15 of 16 sessions took 54.8 ms a step that way against 36.4 ms for all 16). A smaller share takes
+# its rows, so that a step of two of sixteen costs a step of two.
 MASKED_SHARE = 0.5
 
 
@@ -282,34 +282,52 @@ class LanguageEngine:
         sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
         try:
-            raise_first(self.prefill_batch(sessions))  # each first row alone: it creates the caches
-            for size in range(1, max_batch + 1):
-                for _ in range(steps):
-                    if all(s.prompt_pending for s in sessions[:size]):  # a short --max-prompt-tokens runs out
-                        raise_first(self.prefill_batch(sessions[:size]))
-                if size - 1 >= max(2, MASKED_SHARE * size) and all(s.prompt_pending for s in sessions[:size]):
-                    raise_first(self.prefill_batch(sessions[: size - 1]))  # a prompt row over all `size` rows
-            while any(s.prompt_pending for s in sessions):
-                raise_first(self.prefill_batch([s for s in sessions if s.prompt_pending]))
-            audio = mx.zeros((self.model.hidden_size,), mx.float32)
-            for size in range(1, max_batch + 1):
-                for _ in range(steps):
-                    raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
-                if size - 1 >= max(2, MASKED_SHARE * size):  # all but one: the step over all `size` rows
-                    raise_first(self.step_batch([(s, audio, False, None) for s in sessions[: size - 1]]))
-            for size in range(max_batch - 1, 1, -1):  # some of the last batch's sessions: its stacks kept
-                raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
-            for size in range(2, max_batch + 1):
+            self._precompile_prompt_rows(sessions, steps)
+            self._precompile_steps(sessions, steps)
+            for size in range(2, max_batch + 1):  # sessions opening together: their first step batched
                 fresh = [self.open_session(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16",
                                            prefill=False) for _ in range(size)]
                 sessions += fresh
                 raise_first(self.prefill_batch(fresh))
-                raise_first(self.step_batch([(s, audio, False, None) for s in fresh]))
+                raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in fresh]))
                 for session in fresh:
                     self.close_session(session)
         finally:
             for session in sessions:
                 self.close_session(session)
+
+    @property
+    def _zero_audio(self) -> mx.array:
+        return mx.zeros((self.model.hidden_size,), mx.float32)
+
+    def _over_all_rows(self, size: int) -> bool:
+        """Whether all but one of a batch of `size` step over all its rows (`StatePools`' masked share)."""
+        return size - 1 >= max(2, self._pools.masked_share * size)
+
+    def _precompile_prompt_rows(self, sessions: list[LanguageSession], steps: int) -> None:
+        """`precompile`'s prompt rows: each first row alone, then `steps` rows at each size (and a row of all but
+        one over all their rows), then the rows left."""
+        raise_first(self.prefill_batch(sessions))  # each first row alone: it creates the caches
+        for size in range(1, len(sessions) + 1):
+            for _ in range(steps):
+                if all(s.prompt_pending for s in sessions[:size]):  # a short --max-prompt-tokens runs out
+                    raise_first(self.prefill_batch(sessions[:size]))
+            if self._over_all_rows(size) and all(s.prompt_pending for s in sessions[:size]):
+                raise_first(self.prefill_batch(sessions[: size - 1]))  # a prompt row over all `size` rows
+        while any(s.prompt_pending for s in sessions):
+            raise_first(self.prefill_batch([s for s in sessions if s.prompt_pending]))
+
+    def _precompile_steps(self, sessions: list[LanguageSession], steps: int) -> None:
+        """`precompile`'s steps: `steps` at each size (and one of all but one over all their rows), then some of
+        the last batch's sessions at each size below it."""
+        audio = self._zero_audio
+        for size in range(1, len(sessions) + 1):
+            for _ in range(steps):
+                raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
+            if self._over_all_rows(size):  # all but one: the step over all `size` rows
+                raise_first(self.step_batch([(s, audio, False, None) for s in sessions[: size - 1]]))
+        for size in range(len(sessions) - 1, 1, -1):  # some of the last batch's sessions: its stacks kept
+            raise_first(self.step_batch([(s, audio, False, None) for s in sessions[:size]]))
 
     def step_batch(self, steps: Sequence[Step]) -> list[StepOutput | Exception]:
         """Each entry is the arguments of `session.step(audio, return_logits, frame_index)`; returns what each

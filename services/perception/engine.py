@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -103,6 +104,31 @@ def _checked_samples(samples: np.ndarray | mx.array, sample_rate_hz: int, expect
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"waveform has non-finite samples (first at index {bad})")
     return arr.astype(np.float32, copy=False)
+
+
+class _Step(NamedTuple):
+    """Entry i's encoder step, up to its batch: `mel` is the mel to begin the frame with (`layout` given: begun
+    with the others of that layout) or the window begun already (`layout` None); `span` the window's encoder
+    frames [lo, hi) to run."""
+
+    i: int
+    stream: PerceptionStream
+    mel: mx.array
+    layout: tuple | None
+    span: tuple[int, int]
+
+    def signature(self) -> tuple:
+        """What the steps of one batch share: the window's shape and the span."""
+        shape = self.mel.shape if self.layout is None else (1, self.layout[0] + self.layout[1], self.mel.shape[2])
+        return (tuple(shape), *self.span)
+
+    def window(self) -> mx.array:
+        """The step's (1, W, n_mels) window, begun now when it was not yet."""
+        return self.mel if self.layout is None else self.stream.encoder.begin_frame(self.mel)[0]
+
+    def alone(self) -> StreamFrame:
+        """The step run on its own, as `push` runs it."""
+        return self.stream.emit([self.stream.encoder.step(self.window(), *self.span)])
 
 
 class PerceptionEngine:
@@ -237,13 +263,34 @@ class PerceptionEngine:
         the log-mel front end as one computation over their stacked sample buffers, and build their encoder
         windows as one array. A batch of one, a session's first push, and a session alone with its window shape
         take the solo path."""
+        results: list[StreamFrame | Exception | None] = [None] * len(frames)
+        checked = self._checked(frames, results)
+        mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
+        steps = [self._begin(i, stream, mel, results) for (i, stream, _), mel in zip(checked, mels, strict=True)]
+        steps = [step for step in steps if step is not None]
+        groups, solo = group_by_signature(steps, _Step.signature)
+        for j in solo:
+            results[steps[j].i] = steps[j].alone()
+        for members in groups:
+            group = [steps[j] for j in members]
+            lo, hi = group[0].span
+            out = self._step_batch([step.stream for step in group], self._windows(group), lo, hi)
+            for step, result in zip(group, out, strict=True):
+                results[step.i] = result
+        self._batched_streams.update(stream for stream, _ in frames if stream.batchable)
+        self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
+        return results  # type: ignore[return-value]
+
+    def _checked(self, frames: Sequence[tuple[PerceptionStream, mx.array | np.ndarray]],
+                 results: list) -> list[tuple[int, PerceptionStream, np.ndarray]]:
+        """The entries that may join a batch, their samples checked: (i, stream, samples). The others' pushes
+        run alone (a batch of one, a first push), or their ValueError, into `results`."""
         streams = [stream for stream, _ in frames]
         if len({id(s) for s in streams}) != len(streams):
             raise ValueError("a stream appears more than once in one batch")
         if any(s.engine is not self for s in streams):
             raise ValueError("every stream of a batch must come from this engine")
-        results: list[StreamFrame | Exception | None] = [None] * len(frames)
-        checked: list[tuple[int, PerceptionStream, np.ndarray]] = []
+        checked = []
         for i, (stream, frame) in enumerate(frames):
             if len(frames) == 1 or not stream.batchable:
                 results[i] = _solo(stream, frame)
@@ -252,44 +299,24 @@ class PerceptionEngine:
                 checked.append((i, stream, stream.check_samples(frame)))
             except ValueError as e:
                 results[i] = e
-        mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
-        steps = [self._begin(i, stream, mel, results) for (i, stream, _), mel in zip(checked, mels, strict=True)]
-        steps = [step for step in steps if step is not None]
-        # one batch per encoder window shape and span
-        groups, solo = group_by_signature(steps, lambda step: (step[2].shape if step[3] is None else
-                                                               (1, step[3][0] + step[3][1], step[2].shape[2]),
-                                                               *step[4]))
-        for j in solo:
-            i, stream, window, layout, (lo, hi) = steps[j]
-            if layout is not None:
-                window, _, _ = stream.encoder.begin_frame(window)
-            results[i] = stream.emit([stream.encoder.step(window, lo, hi)])
-        for members in groups:
-            group = [steps[j] for j in members]
-            lo, hi = group[0][4]
-            out = self._step_batch([step[1] for step in group], self._windows([step[:4] for step in group]), lo, hi)
-            for step, result in zip(group, out, strict=True):
-                results[step[0]] = result
-        self._batched_streams.update(s for s in streams if s.batchable)
-        self._rows.keep({id(a) for s in self._batched_streams for a in s.held_rows()})
-        return results  # type: ignore[return-value]
+        return checked
 
     @staticmethod
-    def _begin(i: int, stream: PerceptionStream, mel: mx.array, results: list) -> tuple | None:
-        """Entry i's encoder step up to its batch: (i, stream, the mel to begin with or the window begun, its
-        layout or None, (lo, hi)); None when the push ran (or failed) alone, its result in `results`."""
+    def _begin(i: int, stream: PerceptionStream, mel: mx.array, results: list) -> _Step | None:
+        """Entry i's encoder step up to its batch; None when the push ran (or failed) alone, its result in
+        `results`."""
         if not 0 < mel.shape[1] <= stream.encoder.chunk_mel:  # not one encoder chunk: as push does it
             results[i] = stream.emit(stream.encoder.push(mel))
             return None
         layout = stream.encoder.layout(mel.shape[1])
         if layout is not None:  # begun with the others of its layout
-            return i, stream, mel, layout, tuple(layout[2:4])
+            return _Step(i, stream, mel, layout, (layout[2], layout[3]))
         span = stream.encoder.begin_frame(mel)
         if span is None:
             results[i] = stream.emit([])  # raises, as push would
             return None
         window, lo, hi = span
-        return i, stream, window, None, (lo, hi)
+        return _Step(i, stream, window, None, (lo, hi))
 
     def _push_mel(self, streams: list[PerceptionStream], samples: list[np.ndarray]) -> list[mx.array]:
         """`stream.mel.push(samples)[None]` of every session: those whose mel buffers share one layout as one
@@ -308,17 +335,16 @@ class PerceptionEngine:
                 out[b] = row
         return out  # type: ignore[return-value]
 
-    def _windows(self, members: list[tuple[int, PerceptionStream, mx.array, tuple | None]]) -> mx.array:
+    def _windows(self, steps: list[_Step]) -> mx.array:
         """The (B, W, n_mels) encoder window of a step's sessions: one concatenation of their stacked mel caches
         and mels where they share one layout, else each session's begin_frame window, concatenated."""
-        layouts = {layout for _, _, _, layout in members}
+        layouts = {step.layout for step in steps}
         if len(layouts) == 1 and None not in layouts:
-            encoders = [stream.encoder for _, stream, _, _ in members]
-            window, _, _ = begin_stacked(encoders, self._rows.gather([mel for _, _, mel, _ in members]),
+            encoders = [step.stream.encoder for step in steps]
+            window, _, _ = begin_stacked(encoders, self._rows.gather([step.mel for step in steps]),
                                          self._rows.gather([e.mel_cache for e in encoders]), self._rows.split)
             return window
-        windows = [w if layout is None else stream.encoder.begin_frame(w)[0] for _, stream, w, layout in members]
-        return mx.concatenate(windows, axis=0)
+        return mx.concatenate([step.window() for step in steps], axis=0)
 
     def _step_batch(self, streams: list[PerceptionStream], window: mx.array, lo: int, hi: int) -> list[StreamFrame]:
         """window: (B, W, n_mels), row b the mel window of streams[b] (every counter already advanced)."""
