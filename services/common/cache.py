@@ -17,6 +17,10 @@ of state:
   arrays written in place each step; `attend_sessions` is their batched write-and-attend.
 - `group_by_signature`: which entries of a batch may run as one forward (their state agrees in shape or dtype).
 
+In mlx-lm's terms (its batch caches' merge, extract and filter): `gather` and `LayerGroup(caches)` merge sessions
+into a batch, `split`, `hand` and a group's rows give each session its rows back, `take` of some rows and
+`write_rows` take and write back a subset, `keep`, `settle` and `drop` filter what a batch still holds.
+
 On a GPU every small copy is a kernel launch: gathering sixteen sessions' rows one concatenation input each
 costs sixteen launches per array, and `batched[i]` with an integer index is a gather of its own; so the rows
 stay views of the last batch's arrays, and a batch of the same sessions reuses them as they are.
