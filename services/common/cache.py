@@ -18,8 +18,9 @@ of state:
 - `group_by_signature`: which entries of a batch may run as one forward (their state agrees in shape or dtype).
 
 In mlx-lm's terms (its batch caches' merge, extract and filter): `gather` and `LayerGroup(caches)` merge sessions
-into a batch, `split`, `hand` and a group's rows give each session its rows back, `take` of some rows and
-`write_rows` take and write back a subset, `keep`, `settle` and `drop` filter what a batch still holds.
+into a batch; `split`, `StatePool.hand` and a group's rows give each session its rows back; `StatePools.gather`
+of some of a pool's sessions takes their rows and `scatter` writes them back; `keep`, `settle` and `drop` filter
+what the batches still hold.
 
 On a GPU every small copy is a kernel launch: gathering sixteen sessions' rows one concatenation input each
 costs sixteen launches per array, and `batched[i]` with an integer index is a gather of its own; so the rows
