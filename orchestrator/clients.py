@@ -224,12 +224,13 @@ class GrpcLanguageSession:
     prompt_embeds: np.ndarray
     frame: int = 0
 
-    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
-        return self.send_step(audio_embedding).result()
+    def step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> tuple[int, int]:
+        return self.send_step(audio_embedding, forced_function).result()
 
-    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
+    def send_step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> Pending[tuple[int, int]]:
         pending = self.stream.send(language_pb2.LanguageStreamRequest(step=language_pb2.LanguageStep(
-            frame_index=self.frame, audio_embedding=to_proto_np(audio_embedding))))
+            frame_index=self.frame, audio_embedding=to_proto_np(audio_embedding),
+            forced_function_token_id=forced_function)))
         self.frame += 1
         return pending.then(lambda reply: (reply.step.text_token_id, reply.step.function_token_id))
 
@@ -356,12 +357,14 @@ class LocalLanguageSession:
     prompt_positions: int
     prompt_embeds: np.ndarray
 
-    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
+    def step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> tuple[int, int]:
+        if forced_function is not None:
+            self.session.force_function(forced_function)
         out = self.session.step(mx.array(audio_embedding))
         return out.text_id, out.function_id
 
-    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
-        return Pending.answered(self.step(audio_embedding))
+    def send_step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> Pending[tuple[int, int]]:
+        return Pending.answered(self.step(audio_embedding, forced_function))
 
     def close(self) -> None:
         self.engine.close_session(self.session)

@@ -227,11 +227,11 @@ class _ThreadedLanguageSession(_OnThread):
         self.prompt_positions = session.prompt_positions
         self.prompt_embeds = session.prompt_embeds
 
-    def step(self, audio_embedding: np.ndarray) -> tuple[int, int]:
-        return self.call(self.session.step, audio_embedding)
+    def step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> tuple[int, int]:
+        return self.call(self.session.step, audio_embedding, forced_function)
 
-    def send_step(self, audio_embedding: np.ndarray) -> Pending[tuple[int, int]]:
-        return self.send(self.session.step, audio_embedding)
+    def send_step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> Pending[tuple[int, int]]:
+        return self.send(self.session.step, audio_embedding, forced_function)
 
     def close(self) -> None:
         self.call(self.session.close)

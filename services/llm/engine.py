@@ -73,6 +73,7 @@ class LanguageSession:
     frames: int = 0  # audio frames stepped (positions after the prefix)
     prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
+    forced_function: int | None = None  # the next step's function token in place of the head's pick (force_function)
 
     def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array, mx.array] | None:
         """audio: (1, 1, D) -> both heads' logits at this position, (vocab,) each, and the greedy ids (2,),
@@ -120,6 +121,18 @@ class LanguageSession:
         self._run(self.prompt_embeds[None, i : i + 1], want_heads=False)
         self.prompt_positions += 1
 
+    def force_function(self, token_id: int) -> None:
+        """Have the next step return `token_id` as its function token, and fuse it into the step after, in place
+        of the function head's pick: how a tool response is read back on the function channel."""
+        if not 0 <= token_id < self.model.vocab_size:
+            raise ValueError(f"forced function token {token_id} is outside the vocabulary [0, {self.model.vocab_size})")
+        self.forced_function = token_id
+
+    def take_function(self, picked: int) -> int:
+        """This step's function token: the forced one when there is one (used once), else the head's pick."""
+        forced, self.forced_function = self.forced_function, None
+        return picked if forced is None else forced
+
     def step(self, audio: mx.array, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
         """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.
 
@@ -128,7 +141,8 @@ class LanguageSession:
         out = self._run(audio.reshape(1, 1, self.model.hidden_size), want_heads=True)
         assert out is not None
         text_logits, function_logits, ids = out
-        self.prev_text, self.prev_function = ids.tolist()  # evaluated already: a copy, no wait
+        self.prev_text, picked = ids.tolist()  # evaluated already: a copy, no wait
+        self.prev_function = self.take_function(picked)
         self.frames += 1
         if not return_logits:
             return StepOutput(self.prev_text, self.prev_function)
@@ -442,10 +456,11 @@ class LanguageEngine:
         text_logits, function_logits, ids = out
         every, outputs = ids.tolist(), []
         for row, (session, _, return_logits, _) in zip(rows, steps, strict=True):
-            session.prev_text, session.prev_function = every[row]
+            text_id, function_id = every[row]
+            session.prev_text, session.prev_function = text_id, session.take_function(function_id)
             session.frames += 1
             logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()
-            outputs.append(StepOutput(session.prev_text, session.prev_function, *logits))
+            outputs.append(StepOutput(text_id, session.prev_function, *logits))
         return outputs
 
 

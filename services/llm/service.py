@@ -134,6 +134,8 @@ def _opened(engine: LanguageEngine, session: LanguageSession) -> language_pb2.La
 
 def _step_arguments(entry: tuple[LanguageSession, language_pb2.LanguageStep]) -> tuple:
     session, step = entry
+    if step.HasField("forced_function_token_id"):
+        session.force_function(step.forced_function_token_id)
     return session, from_proto(step.audio_embedding), step.return_logits, step.frame_index
 
 

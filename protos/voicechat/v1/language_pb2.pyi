@@ -30,14 +30,16 @@ class LanguageOpen(_message.Message):
     def __init__(self, system_prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., full_history: _Optional[bool] = ..., prefix_precision: _Optional[_Union[PrefixPrecision, str]] = ...) -> None: ...
 
 class LanguageStep(_message.Message):
-    __slots__ = ("frame_index", "audio_embedding", "return_logits")
+    __slots__ = ("frame_index", "audio_embedding", "return_logits", "forced_function_token_id")
     FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     AUDIO_EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FUNCTION_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     frame_index: int
     audio_embedding: _tensor_pb2.Tensor
     return_logits: bool
-    def __init__(self, frame_index: _Optional[int] = ..., audio_embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    forced_function_token_id: int
+    def __init__(self, frame_index: _Optional[int] = ..., audio_embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_logits: _Optional[bool] = ..., forced_function_token_id: _Optional[int] = ...) -> None: ...
 
 class LanguageStreamRequest(_message.Message):
     __slots__ = ("open", "step")
