@@ -20,7 +20,13 @@ when it finishes one. Every stage still takes frames in order, and the events of
 stage is done, in frame order. The sequential mode runs the same stages one after another; both give identical
 events.
 
-Per frame the events are, in order: user_transcript_delta, assistant_text_delta, function_delta, audio.
+Per frame the events are, in order: user_transcript_delta, assistant_text_delta, function_delta, the tool-call
+events of that function text (function_call_delta, function_call_done, function_call_error), audio.
+
+With tools (orchestrator/tools.py) the system prompt lists them, the function channel is parsed into calls, and
+`submit_function_output` queues a call's output, whose tokens replace the function head's picks one per frame
+(each frame's forced id is taken when its language step is sent). Calls of the server's own tools (a ToolRunner)
+run on its threads; their outputs are queued the same way and reported as function_call_output events.
 """
 
 from __future__ import annotations
@@ -38,11 +44,15 @@ from orchestrator.profile import Clock, FrameTiming, MonotonicClock, Profile
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
 from orchestrator.text import TextDecoder, TokenAccumulator
 from orchestrator.timeline import SpeechInfo, replace_control_codes
+from orchestrator.tools import MAX_TOOLS, CallEvent, Tool, ToolChannel, check_distinct, render_system_prompt
 from services.common.config import VoiceChatConfig
 from services.perception.rnnt import is_special_piece
 
-EVENT_KINDS = ("user_transcript_delta", "assistant_text_delta", "function_delta", "audio", "done", "cancelled",
+EVENT_KINDS = ("user_transcript_delta", "assistant_text_delta", "function_delta", "function_call_delta",
+               "function_call_done", "function_call_error", "function_call_output", "audio", "done", "cancelled",
                "error")
+
+CALL_EVENT_KINDS = {"delta": "function_call_delta", "done": "function_call_done", "error": "function_call_error"}
 
 
 class SessionClosedError(ValueError):
@@ -65,7 +75,11 @@ class Event:
     samples: np.ndarray | None = None  # audio: (1764,) float32 at 22.05 kHz
     audio_codes: np.ndarray | None = None  # audio: (31,) int32, control codes replaced (what the codec decoded)
     raw_codes: np.ndarray | None = None  # audio: (31,) int32 as generated and fed back
-    message: str | None = None  # error
+    message: str | None = None  # error, function_call_error
+    call_id: str | None = None  # function_call_*
+    name: str | None = None  # function_call_done, function_call_output: the tool
+    arguments: str | None = None  # function_call_done: JSON text
+    output: str | None = None  # function_call_output
     # audio: seconds from when the frame could complete (its audio pushed and the previous frame done, whichever is
     # later) to its completion: profile.py's interval, what the orchestrator's voicechat_frame_seconds observes
     interval_s: float | None = field(default=None, compare=False)
@@ -98,6 +112,7 @@ class _Frame:
     perceived: PerceivedFrame | None = None
     text_id: int = 0
     function_id: int = 0
+    forced: bool = False  # function_id was a response token forced in, not the function head's pick
     raw: np.ndarray | None = None
     clean: np.ndarray | None = None
     audio: np.ndarray | None = None
@@ -127,7 +142,8 @@ class OnlineSession:
                  system_prompt: str | None = None, seed: int = 0, max_streaming_seconds: float | None = None,
                  pipelined: bool = True, send_ahead: int = 2, profile: bool = False, record: bool = False,
                  on_event: Callable[[Event], None] | None = None, clock: Clock | None = None,
-                 rnnt_vocabulary: list[str] | None = None):
+                 rnnt_vocabulary: list[str] | None = None, tools: list[Tool] | None = None,
+                 tool_choice: str = "auto", runner=None):
         if max_streaming_seconds is not None and not max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {max_streaming_seconds}")
         if seed < 0:
@@ -161,6 +177,7 @@ class OnlineSession:
         self._threads: list[threading.Thread] = []
 
         prompt = config.default_system_prompt if system_prompt is None else system_prompt
+        prompt = self._open_tools(prompt, list(tools or []), tool_choice, runner, decoder)
         try:
             self.perception = self._opened(clients.perception.open())
             self.language = self._opened(clients.language.open(prompt))
@@ -176,6 +193,23 @@ class OnlineSession:
         self._silence = np.asarray(self.info.silence_codes, np.int32)
         if pipelined:
             self._start_workers()
+
+    def _open_tools(self, prompt: str, tools: list[Tool], tool_choice: str, runner, decoder: TextDecoder) -> str:
+        """The server's tools (a ToolRunner's) and the session's; the prompt that lists them (`tool_choice`
+        "none": neither listed nor parsed)."""
+        self.runner = runner
+        self._server_calls: set[str] = set()
+        declared = [*(runner.tools if runner is not None else []), *tools]
+        if len(declared) > MAX_TOOLS:
+            raise ValueError(f"{len(declared)} tools declared ({len(declared) - len(tools)} by the server); at most "
+                             f"{MAX_TOOLS} are allowed")
+        check_distinct(declared)
+        self._tools: ToolChannel | None = None
+        if not declared or tool_choice == "none":
+            return prompt
+        tokenizer = decoder.tokenizer
+        self._tools = ToolChannel(declared, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+        return render_system_prompt(prompt, declared)
 
     def _opened(self, stream):
         self._streams.append(stream)
@@ -219,6 +253,33 @@ class OnlineSession:
             self._pending = pending[start:].copy()
         return self._take_ready()
 
+    def submit_function_output(self, call_id, output) -> list[Event]:
+        """A client's answer to a call: queued for the function channel (after any response still being read) and
+        reported as a function_call_output event; returns the events ready now. ValueError when the session has
+        no tools, the call id is unknown, answered or the server's own, the output is not a string, or the queue
+        is full."""
+        if self.closed:
+            raise SessionClosedError("function_call_output after flush or cancel: this session is closed")
+        if self._tools is None:
+            raise ValueError("this session declares no tools (or tool_choice is \"none\"): there is no call to answer")
+        if call_id in self._server_calls:
+            raise ValueError(f"call {call_id} runs on the server; the server feeds its output back itself")
+        self._output(call_id, output)
+        return self._take_ready()
+
+    def _output(self, call_id, output) -> None:
+        name = self._tools.submit_output(call_id, output)
+        self._emit([Event("function_call_output", self._completed, call_id=call_id, name=name, output=output)])
+
+    def _server_output(self, call_id: str, output: str) -> None:
+        """A server tool's result (on a runner thread): fed back unless the session is over."""
+        if self.closed:
+            return
+        try:
+            self._output(call_id, output)
+        except ValueError as exc:  # the queue is full
+            self._emit([Event("function_call_error", self._completed, call_id=call_id, message=str(exc))])
+
     def drain(self) -> list[Event]:
         """Wait until every frame pushed so far has emitted its events; returns those ready."""
         self._wait()
@@ -246,6 +307,8 @@ class OnlineSession:
         self.closed = True
         self._close_streams()
         self._raise_failure()
+        if self._tools is not None:
+            self._emit(self._call_events(self._tools.finish(), self._completed))
         self._emit([Event("done", self._completed)])
         return self._take_ready()
 
@@ -287,7 +350,11 @@ class OnlineSession:
         f.perceived = perceived
 
     def _send_language(self, f: _Frame) -> Pending:
-        return self.language.send_step(f.perceived.audio_embedding)
+        forced = self._tools.next_forced() if self._tools is not None else None
+        if forced is None:
+            return self.language.send_step(f.perceived.audio_embedding)
+        f.forced = True
+        return self.language.send_step(f.perceived.audio_embedding, forced)
 
     def _take_language(self, f: _Frame, ids: tuple[int, int]) -> None:
         f.text_id, f.function_id = (int(i) for i in ids)
@@ -328,6 +395,8 @@ class OnlineSession:
             update = accumulator.append(token)
             if update is not None:
                 events.append(Event(kind, f.index, token_id=token, delta=update[0], text=update[1]))
+                if kind == "function_delta" and self._tools is not None:
+                    events += self._call_events(self._tools.frame(update[0], f.forced), f.index)
         events.append(Event("audio", f.index, samples=f.audio, audio_codes=f.clean, raw_codes=f.raw))
         if self.records is not None:
             self.records.append(FrameRecord(p.encoder_out, p.audio_embedding, f.text_id, f.function_id, f.raw,
@@ -341,6 +410,17 @@ class OnlineSession:
         self._last_completion = done
         self._completed = f.index + 1
         self._emit(events)
+
+    def _call_events(self, calls: list[CallEvent], frame_index: int) -> list[Event]:
+        """The parser's call events as session events; a completed call of a server tool starts running."""
+        events = []
+        for call in calls:
+            events.append(Event(CALL_EVENT_KINDS[call.kind], frame_index, delta=call.delta, message=call.message,
+                                call_id=call.call_id, name=call.name, arguments=call.arguments))
+            if call.kind == "done" and self.runner is not None and call.name in self.runner.names:
+                self._server_calls.add(call.call_id)
+                self.runner.start(call.call_id, call.name, call.arguments, self._server_output)
+        return events
 
     def _transcript_grew(self, p: PerceivedFrame) -> bool:
         """The reference emits a transcript event when a non-special RNNT piece was appended."""
