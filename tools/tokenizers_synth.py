@@ -2,7 +2,8 @@
 
 The LLM tokenizer is a byte-level BPE in the Hugging Face `tokenizer.json` format with exactly 256
 single-character tokens (the byte alphabet, which the EAR-TTS character table is built from), the
-special ids the model uses (bos 1, eos 2, silence 11, pad 12), merges learned from a fixed word list
+special ids the model uses (bos 1, eos 2, silence 11, pad 12), the tool-call markers `<SPECIAL_20>`,
+`<SPECIAL_21>`, `<SPECIAL_22>` (ids 3, 4, 5 here), merges learned from a fixed word list
 and filler tokens up to the LLM vocabulary size. The RNNT vocabulary is a SentencePiece-style piece
 list with `<unk>`, language tags and `▁`-prefixed word pieces.
 """
@@ -12,7 +13,11 @@ from __future__ import annotations
 from collections import Counter
 
 NUM_SPECIALS = 16
-SPECIAL_NAMES = {0: "<unk>", 1: "<s>", 2: "</s>"}
+# The released tokenizer's tool-call markers (start of call, end of call, end of tool response; ids 20-22
+# there). This vocabulary has 16 special slots before its byte alphabet, so the markers take three unnamed
+# ones and every byte, merge and filler id stays where the parity goldens have it: code finds them by name.
+TOOL_SPECIALS = {3: "<SPECIAL_20>", 4: "<SPECIAL_21>", 5: "<SPECIAL_22>"}
+SPECIAL_NAMES = {0: "<unk>", 1: "<s>", 2: "</s>", **TOOL_SPECIALS}
 
 # A fixed word list with rough frequencies; merges are learned from it in a fixed order.
 WORDS = (

@@ -220,3 +220,12 @@ def test_runner_from_module(monkeypatch):
     runner.close()
     with pytest.raises(ValueError, match="cannot import it"):
         ToolRunner.from_module("no_such_tools_module")
+
+
+def test_the_test_tokenizer_has_the_tool_markers(tiny_checkpoint):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    assert [tokenizer.token_to_id(f"<SPECIAL_{i}>") for i in (20, 21, 22)] == [3, 4, 5]
+    assert tokenizer.encode("<SPECIAL_20>x<SPECIAL_21>", add_special_tokens=False).ids[::2] == [3, 4]
+    assert tokenizer.get_vocab_size() == 1024 and tokenizer.token_to_id("<SPECIAL_6>") == 6  # the rest in place
