@@ -8,7 +8,8 @@
                                [--output-audio OUT.wav] [--dump OUT.npz] [--sequential] [--max-streaming-seconds S]
                                [--services ...] [--in-process]
     orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
-                       [--metrics-port N] [--metrics-host H] [--latency-budget-ms MS]
+                       [--metrics-port N] [--metrics-host H] [--latency-budget-ms MS] [--tools MODULE]
+                       [--tool-timeout S]
 
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
@@ -105,6 +106,11 @@ def _add_serve_parser(commands) -> None:
                             f"end with an error (default {DEFAULT_GRACE_S:g})")
     serve.add_argument("--no-realtime", action="store_true", help="serve gRPC only, without ws://.../v1/realtime")
     serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
+    serve.add_argument("--tools", default=None, metavar="MODULE",
+                       help="a Python module whose typed, documented functions are tools every session declares; "
+                            "the server runs their calls and feeds the results back (see docs/protocol.md)")
+    serve.add_argument("--tool-timeout", type=float, default=10.0,
+                       help="seconds a --tools call may run before its output is a timeout error (default 10)")
     add_realtime_flags(serve)
     add_metrics_flags(serve)
     add_budget_flag(serve)
@@ -299,6 +305,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
+    runner = tool_runner(args)
     model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
                       latency_budget_s=args.latency_budget_s)
@@ -310,16 +317,32 @@ def serve(args: argparse.Namespace) -> int:
         with connect_streams(model, **connection_from_args(args)) as clients:
             realtime = None
             if not args.no_realtime:
-                factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined)
+                factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined,
+                                               runner=runner)
                 realtime = server_from_args(args, factory, metrics)
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                        realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
-                       metrics_server=exposition)
+                       metrics_server=exposition, runner=runner)
     finally:
         if exposition is not None:
             exposition.stop()
+        if runner is not None:
+            runner.close()
     return 0
+
+
+def tool_runner(args: argparse.Namespace):
+    """The --tools module's runner (None without the flag); UsageError naming what is wrong with it."""
+    from orchestrator.tool_runner import ToolRunner
+
+    if args.tools is None:
+        return None
+    sys.path.insert(0, os.getcwd())  # a module next to where the server starts, as `python -m` would find it
+    try:
+        return ToolRunner.from_module(args.tools, timeout_s=args.tool_timeout)
+    except ValueError as exc:
+        raise UsageError(f"--tools {args.tools}: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,10 @@
     client -> Configure, AudioIn..., Flush (or Cancel), then half-close
     server <- SessionReady, TranscriptDelta / TextDelta / AudioOut ... in frame order, Done (or Cancelled)
 
+Configure.tools declares functions: their calls come as FunctionCallDelta / FunctionCallDone, the client answers
+with FunctionCallOutput (FunctionCallOutputAdded confirms it), a malformed call is an INVALID_FUNCTION_CALL
+Error and the conversation goes on (orchestrator/tools.py; `runner`'s tools are the server's own).
+
 Each stream owns one OnlineSession (its own stream on every network service), so conversations are isolated;
 at most `max_sessions` run at once (SERVER_BUSY beyond). Bad input (a wrong rate, non-finite samples, audio
 after Flush) is answered with an INVALID_REQUEST Error and the conversation goes on; running past
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -31,6 +36,7 @@ from orchestrator.latency import LatencyTracker
 from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import StreamClients
 from orchestrator.text import TextDecoder
+from orchestrator.tools import Tool, parse_tools
 from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc
 from services.common.cli import announce
@@ -70,6 +76,17 @@ def event_to_proto(event: Event, sample_rate_hz: int) -> pb.ConverseResponse:
         return pb.ConverseResponse(audio=pb.AudioOut(
             frame_index=event.frame_index, samples=to_proto_np(event.samples.astype(np.float32)),
             audio_codes=event.audio_codes.tolist(), raw_codes=event.raw_codes.tolist(), sample_rate_hz=sample_rate_hz))
+    if kind == "function_call_delta":
+        return pb.ConverseResponse(function_call_delta=pb.FunctionCallDelta(
+            frame_index=event.frame_index, call_id=event.call_id, delta=event.delta))
+    if kind == "function_call_done":
+        return pb.ConverseResponse(function_call_done=pb.FunctionCallDone(
+            frame_index=event.frame_index, call_id=event.call_id, name=event.name, arguments=event.arguments))
+    if kind == "function_call_output":
+        return pb.ConverseResponse(function_call_output=pb.FunctionCallOutputAdded(
+            frame_index=event.frame_index, call_id=event.call_id, name=event.name, output=event.output))
+    if kind == "function_call_error":
+        return _error(pb.ERROR_CODE_INVALID_FUNCTION_CALL, event.message)
     if kind == "done":
         return pb.ConverseResponse(done=pb.Done(frame_index=event.frame_index))
     if kind == "cancelled":
@@ -95,6 +112,20 @@ def audio_samples(audio: pb.AudioIn, rate_hz: int) -> np.ndarray:
     raise ValueError("AudioIn carries no samples (set pcm16 or float32)")
 
 
+def configured_tools(spec: pb.Configure) -> tuple[list[Tool], str]:
+    """Configure's tools and tool choice ("auto" or "none"); ValueError naming the field."""
+    declared = []
+    for i, tool in enumerate(spec.tools):
+        try:
+            parameters = json.loads(tool.parameters_json) if tool.parameters_json else None
+        except ValueError as exc:
+            raise ValueError(f"Configure.tools[{i}].parameters_json is not JSON ({exc})") from None
+        declared.append({"type": "function", "name": tool.name, "description": tool.description,
+                         **({"parameters": parameters} if parameters is not None else {})})
+    choice = "none" if spec.tool_choice == pb.TOOL_CHOICE_NONE else "auto"
+    return parse_tools(declared, "Configure.tools"), choice
+
+
 async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool:
     """Poll `condition` on the event loop for up to timeout_s; whether it came true."""
     loop = asyncio.get_running_loop()
@@ -108,8 +139,10 @@ async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool
 
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
-                 max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None):
+                 max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None,
+                 runner=None):
         self.clients = clients
+        self.runner = runner  # a ToolRunner: the server's own tools, declared in every conversation
         self.config = VoiceChatConfig.load(model_dir)
         self.metrics = metrics or Metrics("orchestrator")
         self.metrics.frame_budget_s = self.config.frame_duration
@@ -162,6 +195,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                         raise ValueError(f"Configure.sample_rate_hz {spec.sample_rate_hz}: only "
                                          f"{self.config.input_sample_rate} Hz is accepted")
                     seconds = self._seconds(spec.max_streaming_seconds)
+                    tools, tool_choice = configured_tools(spec)
                 except ValueError as exc:
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
@@ -183,7 +217,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     session = await asyncio.to_thread(
                         OnlineSession, self.clients, self.config, self.decoder,
                         system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
-                        pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary)
+                        pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary, tools=tools,
+                        tool_choice=tool_choice, runner=self.runner)
                 except ServiceError as exc:
                     if not exc.refused_input:  # a service down or failing: this conversation cannot go on
                         yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
@@ -265,6 +300,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     elif kind == "cancel":
                         ended = True
                         await asyncio.to_thread(drive, session.cancel)
+                    elif kind == "function_call_output":
+                        answer = request.function_call_output
+                        await asyncio.to_thread(drive, session.submit_function_output, answer.call_id, answer.output)
                     else:
                         out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST,
                                         f"`{kind or 'an empty message'}` is not allowed after Configure"))
@@ -335,7 +373,7 @@ def registrations(servicer: ConversationServicer):
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
                realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
-               metrics_server: MetricsServer | None = None) -> None:
+               metrics_server: MetricsServer | None = None, runner=None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
@@ -343,7 +381,8 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
-                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics)
+                                     max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics,
+                                     runner=runner)
 
     def on_ready(running: RunningServer) -> None:
         announce(running)

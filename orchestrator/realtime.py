@@ -4,6 +4,10 @@
     server <- session.created, session.updated, transcript / text / function / audio deltas in frame order,
               input_audio_buffer.committed, response.done (or response.cancelled), then close 1000
 
+With `tools` in session.update, the function channel's calls also come out as
+response.function_call_arguments.delta / .done, and the client answers with conversation.item.create
+{type: "function_call_output", call_id, output} (conversation.item.created confirms it); see orchestrator/tools.py.
+
     async with RealtimeServer(OnlineSessionFactory(clients, model_dir), port=8080) as server:
         print(server.url)                     # ws://127.0.0.1:8080/v1/realtime
         await server.serve_forever()
@@ -77,6 +81,7 @@ SERVER_BUSY = "server_busy"
 SERVER_SHUTTING_DOWN = "server_shutting_down"
 SESSION_INITIALIZATION_FAILED = "session_initialization_failed"
 INFERENCE_ERROR = "inference_error"
+INVALID_FUNCTION_CALL = "invalid_function_call"  # the model wrote a malformed tool call; the session goes on
 
 
 def new_id(prefix: str) -> str:
@@ -113,6 +118,8 @@ class RealtimeSession(Protocol):
 
     def close(self) -> None: ...
 
+    def submit_function_output(self, call_id: str, output: str) -> list: ...
+
 
 class SessionFactory(Protocol):
     """Opens a session for session.update; the attributes describe what every session it opens takes."""
@@ -135,7 +142,8 @@ class OnlineSessionFactory:
     order, each sent with the append (or commit) after its frame completes, so a client gets a frame's events one
     append later, and a model that is slower than real time per frame but faster per stage keeps up."""
 
-    def __init__(self, clients, model_dir: str | Path, *, model_id: str | None = None, pipelined: bool = False):
+    def __init__(self, clients, model_dir: str | Path, *, model_id: str | None = None, pipelined: bool = False,
+                 runner=None):
         from orchestrator.session import transcript_vocabulary
         from orchestrator.text import TextDecoder
         from services.common.config import VoiceChatConfig
@@ -149,13 +157,16 @@ class OnlineSessionFactory:
         self.output_sample_rate = self.config.output_sample_rate
         self.frame_samples = self.config.input_frame_samples
         self.pipelined = pipelined
+        self.runner = runner  # a ToolRunner: the server's own tools, declared in every session
 
-    def __call__(self, *, system_prompt: str | None, seed: int, max_streaming_seconds: float):
+    def __call__(self, *, system_prompt: str | None, seed: int, max_streaming_seconds: float, tools=(),
+                 tool_choice: str = "auto"):
         from orchestrator.session import OnlineSession
 
         return OnlineSession(self.clients, self.config, self.decoder, system_prompt=system_prompt, seed=seed,
                              max_streaming_seconds=max_streaming_seconds, pipelined=self.pipelined,
-                             rnnt_vocabulary=self.vocabulary)
+                             rnnt_vocabulary=self.vocabulary, tools=list(tools), tool_choice=tool_choice,
+                             runner=self.runner)
 
 
 # ------------------------------------------------------------------------------------------ wire formats
@@ -197,6 +208,8 @@ def event_message(event, output_sample_rate: int) -> dict:
         return {"type": "response.audio.delta", **frame, "delta": encode_pcm16(event.samples), "format": "pcm16",
                 "sample_rate": output_sample_rate, "channels": 1,
                 "audio_codes": [int(c) for c in event.audio_codes]}
+    if kind.startswith("function_call_"):
+        return function_call_message(event, frame)
     if kind == "done":
         return {"type": "response.done", **frame}
     if kind == "cancelled":
@@ -204,6 +217,34 @@ def event_message(event, output_sample_rate: int) -> dict:
     if kind == "error":
         return error_message(INFERENCE_ERROR, event.message or "the session failed")
     raise ValueError(f"no server event for session event kind {kind!r}")
+
+
+def function_call_message(event, frame: dict) -> dict:
+    """A tool-call event as its server event (OpenAI Realtime's names; see docs/protocol.md)."""
+    kind, call = event.kind, {"call_id": event.call_id}
+    if kind == "function_call_delta":
+        return {"type": "response.function_call_arguments.delta", **frame, **call, "delta": event.delta}
+    if kind == "function_call_done":
+        return {"type": "response.function_call_arguments.done", **frame, **call, "name": event.name,
+                "arguments": event.arguments}
+    if kind == "function_call_output":
+        return {"type": "conversation.item.created", **frame, "item": {
+            "type": "function_call_output", **call, "name": event.name, "output": event.output}}
+    if kind == "function_call_error":
+        message = error_message(INVALID_FUNCTION_CALL, event.message)
+        message["error"].update(call)
+        return message
+    raise ValueError(f"no server event for session event kind {kind!r}")
+
+
+def tool_settings(session) -> dict:
+    """What session.updated reports of a session with tools: its instructions, every tool it declares (the
+    server's own included) in the OpenAI shape, and the tool choice."""
+    tools = getattr(session, "declared_tools", None)
+    if not tools:
+        return {}
+    return {"instructions": session.instructions, "tool_choice": session.tool_choice,
+            "tools": [{"type": "function", **t.listing()} for t in tools]}
 
 
 def error_message(code: str, message: str) -> dict:
@@ -236,8 +277,29 @@ def session_options(payload: Any, limits: RealtimeLimits) -> dict:
         seconds = limits.max_session_seconds
     elif not (_is_number(seconds) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"session.max_streaming_seconds must be a positive number, got {json.dumps(seconds)}")
-    return {"system_prompt": prompt, "seed": seed, "max_streaming_seconds": min(float(seconds),
-                                                                                limits.max_session_seconds)}
+    options = {"system_prompt": prompt, "seed": seed, "max_streaming_seconds": min(float(seconds),
+                                                                                   limits.max_session_seconds)}
+    return {**options, **tool_options(payload)}
+
+
+def tool_options(payload: dict) -> dict:
+    """`instructions` (OpenAI's name for system_prompt), `tools` and `tool_choice` of session.update, as the
+    factory's keyword arguments (only those given); ValueError naming the field."""
+    from orchestrator.tools import parse_tool_choice, parse_tools
+
+    options: dict = {}
+    instructions = payload.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ValueError("session.instructions must be a string")
+        if payload.get("system_prompt") not in (None, instructions):
+            raise ValueError("session.instructions and session.system_prompt differ; send one of them")
+        options["system_prompt"] = instructions
+    if payload.get("tools") is not None:
+        options["tools"] = parse_tools(payload["tools"], "session.tools")
+    if payload.get("tool_choice") is not None:
+        options["tool_choice"] = parse_tool_choice(payload["tool_choice"], "session.tool_choice")
+    return options
 
 
 def _describe(exc: BaseException) -> str:
@@ -525,7 +587,8 @@ class _Connection:
         elif kind == "session.update":
             if self.session is not None:
                 await self.error(INVALID_REQUEST, "this session is already configured; a connection takes one "
-                                                  "session.update (open a new connection for new settings)")
+                                                  "session.update (open a new connection for new settings: "
+                                                  "instructions and tools cannot change inside a live session)")
             else:
                 await self.configure(message.get("session"))
         elif self.session is None:
@@ -534,6 +597,8 @@ class _Connection:
             await self.append(message)
         elif kind == "input_audio_buffer.commit":
             return await self.commit(message)
+        elif kind == "conversation.item.create":
+            await self.create_item(message.get("item"))
         elif kind in ("session.cancel", "response.cancel"):
             await self.cancel()
             return True
@@ -557,7 +622,7 @@ class _Connection:
         await self.send({"type": "session.updated", "session": {
             "id": self.id, "state": "ready", "model": factory.model_id, "frame_samples": factory.frame_samples,
             "input_audio_format": _audio_format(factory.input_sample_rate),
-            "output_audio_format": _audio_format(factory.output_sample_rate)}})
+            "output_audio_format": _audio_format(factory.output_sample_rate), **tool_settings(self.session)}})
 
     async def append(self, message: dict) -> None:
         try:
@@ -578,6 +643,20 @@ class _Connection:
                 await self.error(INFERENCE_ERROR, _describe(exc))
                 return
             await self.send_all(messages)
+
+    async def create_item(self, item: Any) -> None:
+        """A function_call_output: queued for the function channel; conversation.item.created confirms it."""
+        if not isinstance(item, dict) or item.get("type") != "function_call_output":
+            await self.error(INVALID_REQUEST, "conversation.item.create takes an `item` of type "
+                                              "\"function_call_output\" {type, call_id, output}; audio goes through "
+                                              "input_audio_buffer.append")
+            return
+        try:
+            messages = await self._run(self.session.submit_function_output, item.get("call_id"), item.get("output"))
+        except ValueError as exc:
+            await self.error(INVALID_REQUEST, str(exc))
+            return
+        await self.send_all(messages)
 
     async def commit(self, message: dict) -> bool:
         pad = message.get("pad_partial", True)

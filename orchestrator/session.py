@@ -200,6 +200,7 @@ class OnlineSession:
         self.runner = runner
         self._server_calls: set[str] = set()
         declared = [*(runner.tools if runner is not None else []), *tools]
+        self.instructions, self.declared_tools, self.tool_choice = prompt, declared, tool_choice
         if len(declared) > MAX_TOOLS:
             raise ValueError(f"{len(declared)} tools declared ({len(declared) - len(tools)} by the server); at most "
                              f"{MAX_TOOLS} are allowed")

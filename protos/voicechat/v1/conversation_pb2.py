@@ -25,41 +25,53 @@ _sym_db = _symbol_database.Default()
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/voicechat/v1/conversation.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\xc0\x01\n\x0f\x43onverseRequest\x12,\n\tconfigure\x18\x01 \x01(\x0b\x32\x17.voicechat.v1.ConfigureH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.voicechat.v1.AudioInH\x00\x12$\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x13.voicechat.v1.FlushH\x00\x12&\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.CancelH\x00\x42\t\n\x07message\"g\n\tConfigure\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x1d\n\x15max_streaming_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\"f\n\x07\x41udioIn\x12\x0f\n\x05pcm16\x18\x01 \x01(\x0cH\x00\x12\'\n\x07\x66loat32\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x42\t\n\x07samples\"1\n\x05\x46lush\x12\x18\n\x0bpad_partial\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_pad_partial\"\x08\n\x06\x43\x61ncel\"\xf4\x02\n\x10\x43onverseResponse\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SessionReadyH\x00\x12\x33\n\ntranscript\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.TranscriptDeltaH\x00\x12\'\n\x04text\x18\x03 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12+\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12\'\n\x05\x61udio\x18\x05 \x01(\x0b\x32\x16.voicechat.v1.AudioOutH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.voicechat.v1.DoneH\x00\x12,\n\tcancelled\x18\x07 \x01(\x0b\x32\x17.voicechat.v1.CancelledH\x00\x12$\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.voicechat.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"v\n\x0cSessionReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rframe_samples\x18\x02 \x01(\x05\x12\x1d\n\x15output_sample_rate_hz\x18\x03 \x01(\x05\x12\x1c\n\x14input_sample_rate_hz\x18\x04 \x01(\x05\"I\n\x0fTranscriptDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x12\n\ntranscript\x18\x03 \x01(\t\"O\n\tTextDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x86\x01\n\x08\x41udioOut\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x13\n\x0b\x61udio_codes\x18\x03 \x03(\x05\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x11\n\traw_codes\x18\x05 \x03(\x05\"\x1b\n\x04\x44one\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\" \n\tCancelled\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\"?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.voicechat.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*\xf4\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12,\n(ERROR_CODE_SESSION_INITIALIZATION_FAILED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_INFERENCE_ERROR\x10\x03\x12\x1d\n\x19\x45RROR_CODE_LIMIT_EXCEEDED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_SERVER_BUSY\x10\x05\x12\"\n\x1e\x45RROR_CODE_SERVICE_UNAVAILABLE\x10\x06\x32\x64\n\x13\x43onversationService\x12M\n\x08\x43onverse\x12\x1d.voicechat.v1.ConverseRequest\x1a\x1e.voicechat.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/voicechat/v1/conversation.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\x82\x02\n\x0f\x43onverseRequest\x12,\n\tconfigure\x18\x01 \x01(\x0b\x32\x17.voicechat.v1.ConfigureH\x00\x12&\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.voicechat.v1.AudioInH\x00\x12$\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x13.voicechat.v1.FlushH\x00\x12&\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.CancelH\x00\x12@\n\x14\x66unction_call_output\x18\x05 \x01(\x0b\x32 .voicechat.v1.FunctionCallOutputH\x00\x42\t\n\x07message\"\xb9\x01\n\tConfigure\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x1d\n\x15max_streaming_seconds\x18\x03 \x01(\x01\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12!\n\x05tools\x18\x05 \x03(\x0b\x32\x12.voicechat.v1.Tool\x12-\n\x0btool_choice\x18\x06 \x01(\x0e\x32\x18.voicechat.v1.ToolChoice\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"5\n\x12\x46unctionCallOutput\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\"f\n\x07\x41udioIn\x12\x0f\n\x05pcm16\x18\x01 \x01(\x0cH\x00\x12\'\n\x07\x66loat32\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\x42\t\n\x07samples\"1\n\x05\x46lush\x12\x18\n\x0bpad_partial\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0e\n\x0c_pad_partial\"\x08\n\x06\x43\x61ncel\"\xb9\x04\n\x10\x43onverseResponse\x12+\n\x05ready\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SessionReadyH\x00\x12\x33\n\ntranscript\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.TranscriptDeltaH\x00\x12\'\n\x04text\x18\x03 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12+\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.voicechat.v1.TextDeltaH\x00\x12\'\n\x05\x61udio\x18\x05 \x01(\x0b\x32\x16.voicechat.v1.AudioOutH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.voicechat.v1.DoneH\x00\x12,\n\tcancelled\x18\x07 \x01(\x0b\x32\x17.voicechat.v1.CancelledH\x00\x12$\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.voicechat.v1.ErrorH\x00\x12>\n\x13\x66unction_call_delta\x18\t \x01(\x0b\x32\x1f.voicechat.v1.FunctionCallDeltaH\x00\x12<\n\x12\x66unction_call_done\x18\n \x01(\x0b\x32\x1e.voicechat.v1.FunctionCallDoneH\x00\x12\x45\n\x14\x66unction_call_output\x18\x0b \x01(\x0b\x32%.voicechat.v1.FunctionCallOutputAddedH\x00\x42\x07\n\x05\x65vent\"H\n\x11\x46unctionCallDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\"Y\n\x10\x46unctionCallDone\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"]\n\x17\x46unctionCallOutputAdded\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06output\x18\x04 \x01(\t\"v\n\x0cSessionReady\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rframe_samples\x18\x02 \x01(\x05\x12\x1d\n\x15output_sample_rate_hz\x18\x03 \x01(\x05\x12\x1c\n\x14input_sample_rate_hz\x18\x04 \x01(\x05\"I\n\x0fTranscriptDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x12\n\ntranscript\x18\x03 \x01(\t\"O\n\tTextDelta\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x86\x01\n\x08\x41udioOut\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x13\n\x0b\x61udio_codes\x18\x03 \x03(\x05\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x11\n\traw_codes\x18\x05 \x03(\x05\"\x1b\n\x04\x44one\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\" \n\tCancelled\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\"?\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.voicechat.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t*U\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02*\x9a\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12,\n(ERROR_CODE_SESSION_INITIALIZATION_FAILED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_INFERENCE_ERROR\x10\x03\x12\x1d\n\x19\x45RROR_CODE_LIMIT_EXCEEDED\x10\x04\x12\x1a\n\x16\x45RROR_CODE_SERVER_BUSY\x10\x05\x12\"\n\x1e\x45RROR_CODE_SERVICE_UNAVAILABLE\x10\x06\x12$\n ERROR_CODE_INVALID_FUNCTION_CALL\x10\x07\x32\x64\n\x13\x43onversationService\x12M\n\x08\x43onverse\x12\x1d.voicechat.v1.ConverseRequest\x1a\x1e.voicechat.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.conversation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=1472
-  _globals['_ERRORCODE']._serialized_end=1716
+  _globals['_TOOLCHOICE']._serialized_start=2200
+  _globals['_TOOLCHOICE']._serialized_end=2285
+  _globals['_ERRORCODE']._serialized_start=2288
+  _globals['_ERRORCODE']._serialized_end=2570
   _globals['_CONVERSEREQUEST']._serialized_start=91
-  _globals['_CONVERSEREQUEST']._serialized_end=283
-  _globals['_CONFIGURE']._serialized_start=285
-  _globals['_CONFIGURE']._serialized_end=388
-  _globals['_AUDIOIN']._serialized_start=390
-  _globals['_AUDIOIN']._serialized_end=492
-  _globals['_FLUSH']._serialized_start=494
-  _globals['_FLUSH']._serialized_end=543
-  _globals['_CANCEL']._serialized_start=545
-  _globals['_CANCEL']._serialized_end=553
-  _globals['_CONVERSERESPONSE']._serialized_start=556
-  _globals['_CONVERSERESPONSE']._serialized_end=928
-  _globals['_SESSIONREADY']._serialized_start=930
-  _globals['_SESSIONREADY']._serialized_end=1048
-  _globals['_TRANSCRIPTDELTA']._serialized_start=1050
-  _globals['_TRANSCRIPTDELTA']._serialized_end=1123
-  _globals['_TEXTDELTA']._serialized_start=1125
-  _globals['_TEXTDELTA']._serialized_end=1204
-  _globals['_AUDIOOUT']._serialized_start=1207
-  _globals['_AUDIOOUT']._serialized_end=1341
-  _globals['_DONE']._serialized_start=1343
-  _globals['_DONE']._serialized_end=1370
-  _globals['_CANCELLED']._serialized_start=1372
-  _globals['_CANCELLED']._serialized_end=1404
-  _globals['_ERROR']._serialized_start=1406
-  _globals['_ERROR']._serialized_end=1469
-  _globals['_CONVERSATIONSERVICE']._serialized_start=1718
-  _globals['_CONVERSATIONSERVICE']._serialized_end=1818
+  _globals['_CONVERSEREQUEST']._serialized_end=349
+  _globals['_CONFIGURE']._serialized_start=352
+  _globals['_CONFIGURE']._serialized_end=537
+  _globals['_TOOL']._serialized_start=539
+  _globals['_TOOL']._serialized_end=605
+  _globals['_FUNCTIONCALLOUTPUT']._serialized_start=607
+  _globals['_FUNCTIONCALLOUTPUT']._serialized_end=660
+  _globals['_AUDIOIN']._serialized_start=662
+  _globals['_AUDIOIN']._serialized_end=764
+  _globals['_FLUSH']._serialized_start=766
+  _globals['_FLUSH']._serialized_end=815
+  _globals['_CANCEL']._serialized_start=817
+  _globals['_CANCEL']._serialized_end=825
+  _globals['_CONVERSERESPONSE']._serialized_start=828
+  _globals['_CONVERSERESPONSE']._serialized_end=1397
+  _globals['_FUNCTIONCALLDELTA']._serialized_start=1399
+  _globals['_FUNCTIONCALLDELTA']._serialized_end=1471
+  _globals['_FUNCTIONCALLDONE']._serialized_start=1473
+  _globals['_FUNCTIONCALLDONE']._serialized_end=1562
+  _globals['_FUNCTIONCALLOUTPUTADDED']._serialized_start=1564
+  _globals['_FUNCTIONCALLOUTPUTADDED']._serialized_end=1657
+  _globals['_SESSIONREADY']._serialized_start=1659
+  _globals['_SESSIONREADY']._serialized_end=1777
+  _globals['_TRANSCRIPTDELTA']._serialized_start=1779
+  _globals['_TRANSCRIPTDELTA']._serialized_end=1852
+  _globals['_TEXTDELTA']._serialized_start=1854
+  _globals['_TEXTDELTA']._serialized_end=1933
+  _globals['_AUDIOOUT']._serialized_start=1936
+  _globals['_AUDIOOUT']._serialized_end=2070
+  _globals['_DONE']._serialized_start=2072
+  _globals['_DONE']._serialized_end=2099
+  _globals['_CANCELLED']._serialized_start=2101
+  _globals['_CANCELLED']._serialized_end=2133
+  _globals['_ERROR']._serialized_start=2135
+  _globals['_ERROR']._serialized_end=2198
+  _globals['_CONVERSATIONSERVICE']._serialized_start=2572
+  _globals['_CONVERSATIONSERVICE']._serialized_end=2672
 # @@protoc_insertion_point(module_scope)
