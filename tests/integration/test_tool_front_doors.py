@@ -36,6 +36,7 @@ CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 BAD_CALL = '[{"name": "launch_rocket"}]'
 FIRST = 1  # the frame the scripted call starts at; the malformed one starts after the response was read back
 OUTPUT = '{"temp_c": 21}'
+EXAMPLE_OUTPUT = '{"city": "Paris", "sky": "clear", "temp_c": 21}'  # what the example client answers
 
 
 class Stack:
@@ -60,7 +61,7 @@ class Stack:
         self.running.append(llm)
         self.tokenizer = self.engines.engines["llm"].tokenizer
         call = call_script(self.tokenizer, CALL, FIRST)
-        self.bad_first = max(call) + len(response_ids(self)) + 3
+        self.bad_first = max(call) + len(response_ids(self, EXAMPLE_OUTPUT)) + 8  # after the longest answer
         script = {**call, **call_script(self.tokenizer, BAD_CALL, self.bad_first)}
         self.frames = max(script) + 2
         self.clients = self.engines.clients()
@@ -113,8 +114,8 @@ def frame(t: int) -> np.ndarray:
     return np.random.default_rng(t).uniform(-0.1, 0.1, N).astype(np.float32)
 
 
-def response_ids(stack) -> list[int]:
-    return stack.tokenizer.encode(f"<TOOL_RESPONSE>[{json.dumps(json.loads(OUTPUT), separators=(',', ':'))}]"
+def response_ids(stack, output: str = OUTPUT) -> list[int]:
+    return stack.tokenizer.encode(f"<TOOL_RESPONSE>[{json.dumps(json.loads(output), separators=(',', ':'))}]"
                                   "</TOOL_RESPONSE>", add_special_tokens=False).ids
 
 
@@ -282,3 +283,27 @@ def test_grpc_round_trip(stack, fused):
     assert pb.ErrorCode.Name(errors[3].code) == "ERROR_CODE_INVALID_FUNCTION_CALL"
     assert errors[3].message.endswith(f"raw text: <SPECIAL_20>{BAD_CALL}<SPECIAL_21>")
     assert kinds[-1] == "done" and events[-1].done.frame_index == frames
+
+
+def test_the_example_tool_client_answers_the_call(stack, fused):
+    import importlib.util
+    import io
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("realtime_tool_client", ROOT / "examples" / "realtime_tool_client.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    samples = np.concatenate([frame(t) for t in range(stack.frames)])
+    out = io.StringIO()
+    status = asyncio.run_coroutine_threadsafe(example.converse(stack.realtime.url, samples, "Be brief.", out),
+                                              stack.loop).result(300)
+    lines = out.getvalue().splitlines()
+    assert status == 0
+    call_id = lines[0].split()[1]
+    assert lines[:2] == [f'[call] {call_id} get_weather {{"city":"Paris"}}', f"[answer] {call_id} {EXAMPLE_OUTPUT}"]
+    assert lines[2].startswith("[error] invalid_function_call: malformed tool call")
+    # the answer was read back: its ids entered the model one per frame, in order
+    response = response_ids(stack, EXAMPLE_OUTPUT)
+    runs = [i for i in range(len(fused)) if fused[i: i + len(response)] == response]
+    assert len(runs) == 1
