@@ -9,7 +9,7 @@
             unit: the temperature unit
         '''
 
-    runner = ToolRunner.from_module("weather_tools", timeout_s=10)    # `orchestrator serve --tools weather_tools`
+    runner = ToolRunner.from_module("weather_tools", timeout_s=10)   # `orchestrator serve --tools weather_tools`
     runner.tools        # [Tool("get_weather", "The current weather in a city.", {JSON schema from the hints})]
     runner.start(call_id, "get_weather", '{"city": "Paris"}', done)   # done(call_id, output) on a worker thread
 
@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import importlib.util
 import inspect
 import json
 import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from orchestrator.tools import MAX_TOOLS, Tool, check_distinct
@@ -128,10 +130,11 @@ class ToolRunner:
 
     @classmethod
     def from_module(cls, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> ToolRunner:
-        """The tools of an importable module (`package.module`); ValueError when it cannot be imported."""
+        """The tools of an importable module (`package.module`) or of a file (`path/to/tools.py`); ValueError when
+        it cannot be imported."""
         try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
+            module = _load_file(Path(name)) if name.endswith(".py") else importlib.import_module(name)
+        except (ImportError, OSError) as exc:
             raise ValueError(f"cannot import it ({exc}); give an importable module name (on PYTHONPATH or in "
                              "the working directory)") from None
         return cls(module_functions(module), timeout_s)
@@ -164,6 +167,16 @@ class ToolRunner:
     def close(self) -> None:
         self._watchers.shutdown(wait=False, cancel_futures=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_file(path: Path) -> types.ModuleType:
+    """A .py file as a module named after its stem."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or not path.is_file():
+        raise ImportError(f"no such file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _error_output(message: str) -> str:

@@ -180,3 +180,15 @@ def test_server_runner_round_trip(engines, tiny_checkpoint, fused):
         session.close()
     finally:
         runner.close()
+
+
+def test_the_servers_tools_count_toward_the_limit_and_names_stay_distinct(engines, tiny_checkpoint):
+    runner = ToolRunner([get_weather])
+    try:
+        five = [Tool(f"t{i}") for i in range(5)]
+        with pytest.raises(ValueError, match=r"6 tools declared \(1 by the server\); at most 5 are allowed"):
+            open_session(engines, tiny_checkpoint, {}, tools=five, runner=runner)
+        with pytest.raises(ValueError, match="get_weather is declared more than once"):
+            open_session(engines, tiny_checkpoint, {}, tools=[WEATHER], runner=runner)
+    finally:
+        runner.close()

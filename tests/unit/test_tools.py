@@ -229,3 +229,30 @@ def test_the_test_tokenizer_has_the_tool_markers(tiny_checkpoint):
     assert [tokenizer.token_to_id(f"<SPECIAL_{i}>") for i in (20, 21, 22)] == [3, 4, 5]
     assert tokenizer.encode("<SPECIAL_20>x<SPECIAL_21>", add_special_tokens=False).ids[::2] == [3, 4]
     assert tokenizer.get_vocab_size() == 1024 and tokenizer.token_to_id("<SPECIAL_6>") == 6  # the rest in place
+
+
+def test_serve_tools_flag_loads_a_file_or_names_the_problem(tmp_path):
+    from orchestrator.cli import build_parser, tool_runner
+    from orchestrator.connect import UsageError
+    from tests.conftest import ROOT
+
+    args = build_parser().parse_args(["serve", "--tools", str(ROOT / "examples" / "weather_tools.py"),
+                                      "--tool-timeout", "3"])
+    runner = tool_runner(args)
+    try:
+        assert [t.name for t in runner.tools] == ["get_weather", "add"] and runner.timeout_s == 3
+        assert runner.tools[0].parameters == {
+            "type": "object", "required": ["city"], "properties": {
+                "city": {"type": "string", "description": 'the city\'s name, e.g. "Paris"'},
+                "unit": {"enum": ["C", "F"], "description": "the temperature unit"}}}
+        assert json.loads(runner.call("get_weather", '{"city": "Oslo", "unit": "F"}')) == {
+            "city": "Oslo", "sky": "snow", "temperature": 39, "unit": "F"}
+    finally:
+        runner.close()
+    assert tool_runner(build_parser().parse_args(["serve"])) is None
+    bad = tmp_path / "bad_tools.py"
+    bad.write_text("def f(x):\n    '''Doc.'''\n")
+    with pytest.raises(UsageError, match=f"--tools {bad}: tool function f: parameter x needs a type hint"):
+        tool_runner(build_parser().parse_args(["serve", "--tools", str(bad)]))
+    with pytest.raises(UsageError, match="--tools nowhere.py: cannot import it"):
+        tool_runner(build_parser().parse_args(["serve", "--tools", "nowhere.py"]))
