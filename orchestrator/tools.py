@@ -11,7 +11,7 @@ function head's pick, so the model reads them as its function-channel input.
     prompt = render_system_prompt(instructions, tools)
     channel = ToolChannel(tools, tokenizer)
     forced = channel.next_forced()                             # before frame t's language step: an id or None
-    events = channel.frame(t, delta, forced is not None)       # after it: call deltas, done, malformed calls
+    events = channel.frame(delta, forced is not None)          # after it: call deltas, done, malformed calls
     channel.submit_output(call_id, output)                     # the answer, queued behind any still draining
 """
 

@@ -158,6 +158,8 @@ def test_realtime_round_trip(stack, fused):
                 await client.send({"type": "conversation.item.create", "item": {
                     "type": "function_call_output", "call_id": call_id, "output": OUTPUT}})
                 events.append(await client.recv())
+        await client.send({"type": "session.update", "session": {"tools": []}})
+        events.append(await client.recv())
         await client.send({"type": "input_audio_buffer.commit", "pad_partial": False})
         events += await client.rest(timeout=60)
         return events
@@ -180,6 +182,8 @@ def test_realtime_round_trip(stack, fused):
     deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
     check_round_trip(stack, calls, deltas, functions, fused, created["frame_index"], frames)
     # the scripted bad call: an error quoting it, and the session went on to its last frame and response.done
+    assert errors[4]["code"] == "invalid_request"  # the tools cannot change inside the live session
+    assert errors[4]["message"].endswith("instructions and tools cannot change inside a live session)")
     assert errors[3]["code"] == "invalid_function_call"
     assert errors[3]["message"].endswith(f"raw text: <SPECIAL_20>{BAD_CALL}<SPECIAL_21>")
     assert 'names "launch_rocket", which is not a declared tool (get_weather)' in errors[3]["message"]
