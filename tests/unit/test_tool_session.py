@@ -57,7 +57,7 @@ def fused(monkeypatch) -> list[int]:
     return seen
 
 
-def open_session(engines, checkpoint, script, prompts=None, **kwargs) -> OnlineSession:
+def open_session(engines, checkpoint, script, prompts=None, pipelined=False, **kwargs) -> OnlineSession:
     config = VoiceChatConfig.load(checkpoint)
     decoder = TextDecoder(checkpoint, config)
     clients = engines.clients()
@@ -66,7 +66,7 @@ def open_session(engines, checkpoint, script, prompts=None, **kwargs) -> OnlineS
         opened = scripted.open
         scripted.open = lambda prompt: (prompts.append(prompt), opened(prompt))[1]
     clients.language = scripted
-    return OnlineSession(clients, config, decoder, system_prompt="Be brief.", pipelined=False, **kwargs)
+    return OnlineSession(clients, config, decoder, system_prompt="Be brief.", pipelined=pipelined, **kwargs)
 
 
 def push_frames(session, frames: int, start: int = 0) -> list:
@@ -192,3 +192,17 @@ def test_the_servers_tools_count_toward_the_limit_and_names_stay_distinct(engine
             open_session(engines, tiny_checkpoint, {}, tools=[WEATHER], runner=runner)
     finally:
         runner.close()
+
+
+def test_pipelined_session_reads_the_answer_back_in_order(engines, tiny_checkpoint):
+    tokenizer = engines.engines["llm"].tokenizer
+    script = call_script(tokenizer, CALL, 0)
+    session = open_session(engines, tiny_checkpoint, script, pipelined=True, tools=[WEATHER])
+    events = push_frames(session, max(script) + 1) + session.drain()
+    call = of(events, "function_call_done")[0]
+    (added,) = session.submit_function_output(call.call_id, "sunny")
+    response = tokenizer.encode('<TOOL_RESPONSE>["sunny"]</TOOL_RESPONSE>', add_special_tokens=False).ids
+    events = push_frames(session, len(response) + 2, start=1) + session.drain()
+    function = [e.token_id for e in of(events, "function_delta") if e.frame_index >= added.frame_index]
+    assert function[: len(response)] == response  # frames sent after the answer was queued take its ids in order
+    assert session.flush(pad_partial=False)[-1].kind == "done"
