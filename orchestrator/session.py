@@ -263,7 +263,7 @@ class OnlineSession:
             raise SessionClosedError("function_call_output after flush or cancel: this session is closed")
         if self._tools is None:
             raise ValueError("this session declares no tools (or tool_choice is \"none\"): there is no call to answer")
-        if call_id in self._server_calls:
+        if isinstance(call_id, str) and call_id in self._server_calls:
             raise ValueError(f"call {call_id} runs on the server; the server feeds its output back itself")
         self._output(call_id, output)
         return self._take_ready()

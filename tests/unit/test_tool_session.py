@@ -127,6 +127,8 @@ def test_bad_outputs_and_unknown_call_ids(engines, tiny_checkpoint):
     with pytest.raises(ValueError, match=r'unknown call_id "call_nope": no call of this session awaits an output '
                                          rf"by that id \(awaiting: {call.call_id}\)"):
         session.submit_function_output("call_nope", "x")
+    with pytest.raises(ValueError, match="function_call_output needs `call_id`: the id of a call this session"):
+        session.submit_function_output({"id": call.call_id}, "x")  # any JSON value may arrive
     with pytest.raises(ValueError, match="`output` must be a string"):
         session.submit_function_output(call.call_id, {"temp": 21})
     with pytest.raises(ValueError, match=r"this output is \d+ more; at most 1024 may wait"):
