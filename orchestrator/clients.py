@@ -98,8 +98,11 @@ class Channel:
 
     `address` is any gRPC target: HOST:PORT, `dns:///NAME:PORT` (every replica the name resolves to), or
     `ipv4:HOST:PORT,HOST:PORT`. Each new stream goes to the next healthy replica; a session is one stream,
-    so it stays on the replica it started on.
+    so it stays on the replica it started on until that replica fails, when `failover` (None: never) moves it
+    to another (orchestrator/failover.py).
     """
+
+    failover = None  # a FailoverPolicy; set by grpc_stream_clients
 
     def __init__(self, name: str, address: str, stub_class, deadlines: Deadlines | None = None):
         self.name, self.address = name, address
@@ -123,8 +126,13 @@ class Channel:
         except grpc.RpcError as exc:
             raise _fail(self.name, self.address, exc) from None
 
-    def stream(self, method: str) -> BidiStream:
-        return BidiStream(self, method)
+    def stream(self, method: str):
+        """A BidiStream, or with a failover policy a ReplayStream (the same calls)."""
+        if self.failover is None:
+            return BidiStream(self, method)
+        from orchestrator.failover import ReplayStream  # it builds on this module
+
+        return ReplayStream(self, method, self.failover)
 
     def close(self) -> None:
         self._connecting.cancel()
@@ -171,9 +179,10 @@ class BidiStream:
         if self._broken is not None:
             raise self._broken
         self._requests.put(message)
-        return Pending(self._receive)
+        return Pending(self.receive)
 
-    def _receive(self):
+    def receive(self):
+        """The next answer (what the oldest Pending not yet taken returns)."""
         name, address = self.channel.name, self.channel.address
         with self._lock:
             if self._broken is not None:

@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 
 from orchestrator.clients import (
-    BidiStream,
     Channel,
     Deadlines,
     GrpcLanguage,
@@ -32,6 +31,7 @@ from orchestrator.clients import (
     LocalSpeech,
     PromptCodes,
 )
+from orchestrator.failover import DEFAULT_FAILOVER, FailoverPolicy
 from orchestrator.pending import Pending
 from orchestrator.timeline import LanguageClient, SpeechClient, SpeechInfo
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, language_pb2, perception_pb2, perception_pb2_grpc
@@ -132,7 +132,7 @@ class GrpcPerceptionStreams:
 
 class GrpcCodecStream:
     def __init__(self, channel: Channel):
-        self.stream: BidiStream = channel.stream("DecodeStream")
+        self.stream = channel.stream("DecodeStream")
         self.frame = 0
         try:
             self.stream.call(codec_pb2.CodecDecodeStreamRequest(open=codec_pb2.CodecDecodeOpen()))
@@ -162,14 +162,19 @@ class GrpcCodecStreams:
         return GrpcCodecStream(self.channel)
 
 
-def grpc_stream_clients(addresses: dict[str, str], deadlines: Deadlines | None = None) -> StreamClients:
-    """Clients of the four services at `addresses` (any gRPC targets; see Channel), with these deadlines."""
-    return StreamClients(
+def grpc_stream_clients(addresses: dict[str, str], deadlines: Deadlines | None = None,
+                        failover: FailoverPolicy | None = DEFAULT_FAILOVER) -> StreamClients:
+    """Clients of the four services at `addresses` (any gRPC targets; see Channel), with these deadlines; a
+    session's streams move to another replica when theirs fails, under `failover` (None: they end with it)."""
+    clients = StreamClients(
         GrpcPerceptionStreams(addresses["perception"], deadlines=deadlines),
         GrpcLanguage(addresses["llm"], prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16, deadlines=deadlines),
         GrpcSpeech(addresses["tts"], deadlines),
         GrpcCodecStreams(addresses["codec"], deadlines),
     )
+    for client in (clients.perception, clients.language, clients.speech, clients.codec):
+        client.channel.failover = failover
+    return clients
 
 
 # ------------------------------------------------------------------------------------------ in-process
