@@ -145,21 +145,21 @@ class BidiStream:
     last answer is back (the service then starts on it with no round trip in between).
 
     Every answer has a deadline (the channel's `Deadlines`: `open_s` for the first, `frame_s` after, counted
-    from when the caller starts waiting for it); a service that does not answer in time, or whose stream
-    breaks, raises a ServiceError naming it, and the stream is then closed for good (a late answer can never be
-    taken for the next request's).
+    from when the caller starts waiting for it; a `warm` stream gets `frame_s` for the first too); a service that
+    does not answer in time, or whose stream breaks, raises a ServiceError naming it, and the stream is then
+    closed for good (a late answer can never be taken for the next request's).
     """
 
     _END = object()
     _EOF = object()
 
-    def __init__(self, channel: Channel, method: str):
+    def __init__(self, channel: Channel, method: str, *, warm: bool = False):
         self.channel = channel
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = getattr(channel.stub, method)(iter(self._requests.get, self._END))
         self._lock = threading.Lock()  # one taker of answers at a time
-        self._answers = 0
+        self._answers = 1 if warm else 0  # warm (a replay on a replica already serving): open_s is never used
         self._broken: ServiceError | None = None
         threading.Thread(target=self._read, name=f"{channel.name}-replies", daemon=True).start()
 

@@ -145,7 +145,9 @@ class ReplayStream:
         with self._send_lock:
             if self._closed:
                 raise ServiceError(f"the {self.channel.name} session was closed during its failover", "CANCELLED")
-            old, self._stream = self._stream, BidiStream(self.channel, self.method)
+            # every answer, the opening one too, within the frame deadline: a replica that hangs as well is
+            # left in seconds for the next attempt, when the channel's keepalive has taken it out of the rotation
+            old, self._stream = self._stream, BidiStream(self.channel, self.method, warm=True)
             for message in self._log:
                 self._stream.send(message)
         old.close()

@@ -187,7 +187,7 @@ def restart(cluster: Cluster, name: str) -> None:
     time.sleep(3.0)  # above the channel's longest reconnect backoff (2 s)
 
 
-def test_a_killed_replica_ends_only_its_conversations_and_a_restarted_one_serves_again(cluster, wave):
+def test_a_killed_replicas_conversations_move_to_the_survivor_and_a_restarted_one_serves_again(cluster, wave):
     conversations = inputs(wave, 4)
     expected = [solo(cluster, samples, seed) for samples, seed in conversations]
     assert len({tuple(e) for e in expected}) == 4 and all(e[-1] == ("done", FRAMES) for e in expected)
@@ -196,17 +196,9 @@ def test_a_killed_replica_ends_only_its_conversations_and_a_restarted_one_serves
     results = asyncio.run(held_conversations(cluster, conversations, 8, lambda: os.kill(victim.pid, signal.SIGKILL)))
     victim.wait(10)
 
-    ended = [(got, seconds) for (got, seconds), want in zip(results, expected, strict=True) if got != want]
-    intact = [got for (got, _), want in zip(results, expected, strict=True) if got == want]
-    # round_robin spread the four language sessions over both replicas: the two on the killed one end with an
-    # error naming the language service, soon after the next frame needs it; the other two are untouched.
-    assert len(ended) == 2 and len(intact) == 2
-    for got, seconds in ended:
-        code, message = got[-1][1:]
-        assert got[-1][0] == "error" and code == "ERROR_CODE_SERVICE_UNAVAILABLE"
-        assert "the llm service" in message
-        assert seconds < FRAME_DEADLINE_S
-        assert sum(e[0] == "audio" for e in got) >= 8  # the frames before the fault were delivered
+    # round_robin spread the four language sessions over both replicas: the two on the killed one moved to the
+    # survivor by replay (orchestrator/failover.py), and every conversation is what it would have been
+    assert [got for got, _ in results] == expected
     assert not any(cluster.wait_idle().values())
 
     # every new session now lands on the survivor
@@ -234,15 +226,18 @@ def test_a_hung_service_trips_the_frame_deadline(cluster, wave):
         ((got, seconds),) = asyncio.run(held_conversations(cluster, [(samples, seed)], 6, hang))
     finally:
         os.kill(codec.pid, signal.SIGCONT)
+    # one codec replica, hung: the deadline (or the keepalive's 4 s) trips, and each replay attempt of the failover
+    # (3) gives up within the frame deadline
     assert got[-1][:2] == ("error", "ERROR_CODE_SERVICE_UNAVAILABLE") and "the codec service" in got[-1][2]
-    assert seconds < FRAME_DEADLINE_S + 3.0  # the deadline (or the keepalive's 4 s, whichever first) tripped
+    assert "no healthy codec replica took the session over" in got[-1][2]
+    assert seconds < FRAME_DEADLINE_S * 4 + 3.0
     assert not any(cluster.wait_idle().values())
     assert codec.poll() is None
     time.sleep(3.0)  # the resumed service's channel reconnects
     assert solo(cluster, samples, seed) == expected
 
 
-def test_a_draining_replica_takes_no_new_sessions_and_cuts_its_last_ones(cluster, wave):
+def test_a_draining_replica_takes_no_new_sessions_and_its_cut_ones_move_on(cluster, wave):
     conversations = inputs(wave, 2)
     expected = [solo(cluster, samples, seed) for samples, seed in conversations]
     victim = cluster.children["llm-b"].process
@@ -263,10 +258,8 @@ def test_a_draining_replica_takes_no_new_sessions_and_cuts_its_last_ones(cluster
     fresh, results = asyncio.run(scenario())
     assert victim.wait(10) == 0
     assert fresh == expected[0]
-    outcomes = sorted(got == want for (got, _), want in zip(results, expected, strict=True))
-    assert outcomes == [False, True]
-    cut = next(got for (got, _), want in zip(results, expected, strict=True) if got != want)
-    assert cut[-1][:2] == ("error", "ERROR_CODE_SERVICE_UNAVAILABLE") and "the llm service" in cut[-1][2]
+    # the drained replica cut its session after 1 s; that conversation moved to the other replica by replay
+    assert [got for got, _ in results] == expected
     restart(cluster, "llm-b")
     assert not any(cluster.wait_idle().values())
 
