@@ -69,7 +69,7 @@ class ReplayStream:
         self._stream = BidiStream(channel, method)
         self._log: list | None = []  # every request of the session in order; None once past the cap
         self._taken = 0  # answers handed to the caller
-        self._last = b""  # the last of them, serialized (the replay's determinism guard)
+        self._last = None  # the last of them (the replay's determinism guard)
         self._send_lock = threading.Lock()  # the log and the stream it goes to change together
         self._take_lock = threading.Lock()  # one taker of answers at a time (and the failover runs under it)
         self._closed = False
@@ -113,7 +113,7 @@ class ReplayStream:
                     self._fail_over(exc)
                     continue
                 self._taken += 1
-                self._last = reply.SerializeToString()
+                self._last = reply  # kept as is: serialized only if a failover compares it
                 return reply
 
     def _fail_over(self, failure: ServiceError) -> None:
@@ -158,7 +158,7 @@ class ReplayStream:
         reply = None
         for _ in range(self._taken):
             reply = stream.receive()
-        if reply is not None and reply.SerializeToString() != self._last:
+        if reply is not None and reply.SerializeToString() != self._last.SerializeToString():
             raise ServiceError(f"the {self.channel.name} replica that took the session over answered request "
                                f"{self._taken - 1} differently from the one that failed: the replicas do not run the "
                                "same checkpoint and flags, so the session cannot continue", "DATA_LOSS")
