@@ -14,9 +14,9 @@ on the answers still owed. The caller sees a slower answer, never an error:
     reply = pending.result()                                  # after a failover if the replica died meanwhile
 
 Memory: the log holds each request as sent (its serialized size, per 80 ms frame, on the full model: perception
-5.1 KB of samples, language 17.9 KB of audio embedding (4480 float32), speech 8 B, codec 136 B; about 23 KB a frame
-in all, 17 MB a minute). Past `max_history_frames` steps a stream drops its log: the session goes on, but a later
-failure of its replica ends it with an error saying so.
+5137 B (1280 float32 samples), language about 17.9 KB (a 4480-float32 audio embedding), speech about 8 B, codec
+139 B; about 23 KB a frame in all, 17 MB a minute). Past `max_history_frames` steps (7500, 600 s, by default) a
+stream drops its log: the session goes on, but a later failure of its replica ends it with an error saying so.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class ReplayStream:
             try:
                 self._discard_answered(stream)
             except ServiceError as exc:
-                if not recoverable(exc):
+                if not (recoverable(exc) or exc.code == "RESOURCE_EXHAUSTED"):  # full: the next pick may not be
                     raise
                 last = exc
                 continue

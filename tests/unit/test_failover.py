@@ -113,3 +113,11 @@ def test_past_the_history_cap_the_log_is_dropped_and_a_failure_says_why(replicas
     with pytest.raises(ServiceError, match="had passed 2 frames, the history kept for failover"):
         stream.call(request(4))
     assert len(replicas) == 1  # no replay was tried
+
+
+def test_a_full_replica_during_the_replay_leaves_it_to_the_next_attempt(replicas):
+    full = ServiceError("the tts service at x failed: RESOURCE_EXHAUSTED: 64 sessions open", "RESOURCE_EXHAUSTED")
+    replicas += [Replica(dies_after=2), Replica(dies_after=0, error=full), Replica()]
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy())
+    assert [stream.call(request(i)).step.frame_index for i in range(4)] == [0, 1, 2, 3]
+    assert stream.failovers == 1 and not replicas
