@@ -36,6 +36,7 @@ from orchestrator.connect import (
     connection_from_args,
 )
 from orchestrator.latency import add_budget_flag
+from orchestrator.lockstep import FrameTicker
 from orchestrator.model import MODEL_ENV, resolve_model
 from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
@@ -104,6 +105,10 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--drain-seconds", type=float, default=DEFAULT_GRACE_S,
                        help="on SIGTERM: new conversations are refused and running ones get this many seconds, then "
                             f"end with an error (default {DEFAULT_GRACE_S:g})")
+    serve.add_argument("--frame-tick-ms", type=float, default=0.0,
+                       help="send every conversation's next frame to the services on one shared clock's tick, this "
+                            "many ms apart, so each service steps them as one batch (a frame waits at most one "
+                            "tick; 80 is the frame's length; default 0: each frame goes as soon as it is ready)")
     serve.add_argument("--no-realtime", action="store_true", help="serve gRPC only, without ws://.../v1/realtime")
     serve.add_argument("--alias", default=None, help="model id the realtime session.updated reports")
     serve.add_argument("--tools", default=None, metavar="MODULE",
@@ -305,7 +310,10 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-streaming-seconds {args.max_streaming_seconds}: must be positive")
     if args.drain_seconds < 0:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
+    if args.frame_tick_ms < 0:
+        raise UsageError(f"--frame-tick-ms {args.frame_tick_ms}: must be zero (off) or more")
     runner = tool_runner(args)
+    ticker = FrameTicker(args.frame_tick_ms / 1000.0) if args.frame_tick_ms else None
     model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
                       latency_budget_s=args.latency_budget_s)
@@ -318,12 +326,12 @@ def serve(args: argparse.Namespace) -> int:
             realtime = None
             if not args.no_realtime:
                 factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined,
-                                               runner=runner)
+                                               runner=runner, ticker=ticker)
                 realtime = server_from_args(args, factory, metrics)
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                        realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
-                       metrics_server=exposition, runner=runner)
+                       metrics_server=exposition, runner=runner, ticker=ticker)
     finally:
         if exposition is not None:
             exposition.stop()

@@ -140,9 +140,10 @@ async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
                  max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None,
-                 runner=None):
+                 runner=None, ticker=None):
         self.clients = clients
         self.runner = runner  # a ToolRunner: the server's own tools, declared in every conversation
+        self.ticker = ticker  # a FrameTicker shared by the conversations (--frame-tick-ms), or None
         self.config = VoiceChatConfig.load(model_dir)
         self.metrics = metrics or Metrics("orchestrator")
         self.metrics.frame_budget_s = self.config.frame_duration
@@ -218,7 +219,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                         OnlineSession, self.clients, self.config, self.decoder,
                         system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
                         pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary, tools=tools,
-                        tool_choice=tool_choice, runner=self.runner)
+                        tool_choice=tool_choice, runner=self.runner, ticker=self.ticker)
                 except ServiceError as exc:
                     if not exc.refused_input:  # a service down or failing: this conversation cannot go on
                         yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
@@ -373,7 +374,7 @@ def registrations(servicer: ConversationServicer):
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
                realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
-               metrics_server: MetricsServer | None = None, runner=None) -> None:
+               metrics_server: MetricsServer | None = None, runner=None, ticker=None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
@@ -382,7 +383,7 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
     error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics,
-                                     runner=runner)
+                                     runner=runner, ticker=ticker)
 
     def on_ready(running: RunningServer) -> None:
         announce(running)

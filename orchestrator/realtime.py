@@ -143,7 +143,7 @@ class OnlineSessionFactory:
     append later, and a model that is slower than real time per frame but faster per stage keeps up."""
 
     def __init__(self, clients, model_dir: str | Path, *, model_id: str | None = None, pipelined: bool = False,
-                 runner=None):
+                 runner=None, ticker=None):
         from orchestrator.session import transcript_vocabulary
         from orchestrator.text import TextDecoder
         from services.common.config import VoiceChatConfig
@@ -158,6 +158,7 @@ class OnlineSessionFactory:
         self.frame_samples = self.config.input_frame_samples
         self.pipelined = pipelined
         self.runner = runner  # a ToolRunner: the server's own tools, declared in every session
+        self.ticker = ticker  # a FrameTicker shared with the server's other sessions (pipelined ones use it)
 
     def __call__(self, *, system_prompt: str | None, seed: int, max_streaming_seconds: float, tools=(),
                  tool_choice: str = "auto"):
@@ -166,7 +167,7 @@ class OnlineSessionFactory:
         return OnlineSession(self.clients, self.config, self.decoder, system_prompt=system_prompt, seed=seed,
                              max_streaming_seconds=max_streaming_seconds, pipelined=self.pipelined,
                              rnnt_vocabulary=self.vocabulary, tools=list(tools), tool_choice=tool_choice,
-                             runner=self.runner)
+                             runner=self.runner, ticker=self.ticker)
 
 
 # ------------------------------------------------------------------------------------------ wire formats

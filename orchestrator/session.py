@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.lockstep import FrameTicker
 from orchestrator.pending import Pending
 from orchestrator.profile import Clock, FrameTiming, MonotonicClock, Profile
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
@@ -143,7 +144,7 @@ class OnlineSession:
                  pipelined: bool = True, send_ahead: int = 2, profile: bool = False, record: bool = False,
                  on_event: Callable[[Event], None] | None = None, clock: Clock | None = None,
                  rnnt_vocabulary: list[str] | None = None, tools: list[Tool] | None = None,
-                 tool_choice: str = "auto", runner=None):
+                 tool_choice: str = "auto", runner=None, ticker: FrameTicker | None = None):
         if max_streaming_seconds is not None and not max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {max_streaming_seconds}")
         if seed < 0:
@@ -157,6 +158,7 @@ class OnlineSession:
         self.pipelined = pipelined
         self.send_ahead = send_ahead  # pipelined: frames a stage may have sent and not yet answered
         self.clock = clock or MonotonicClock()
+        self.ticker = ticker  # pipelined: each frame's perception request leaves on this shared grid's tick
         self.profile = Profile(config.frame_duration * 1000.0, pipelined) if profile else None
         self.records: list[FrameRecord] | None = [] if record else None
         self.on_event = on_event
@@ -481,6 +483,8 @@ class OnlineSession:
             if self._cancelled.is_set() or (self._failed_at is not None and item.index >= self._failed_at):
                 continue  # drain without work until the stop marker comes through; earlier frames finish
             room.acquire()
+            if name == "perception" and self.ticker is not None:
+                self.ticker.wait(item.available)
             now = self.clock.now()
             if name == "perception":
                 item.started = now
