@@ -84,3 +84,20 @@ def terminate(process) -> int:
     """SIGTERM, then the exit code (a clean shutdown is 0)."""
     process.send_signal(signal.SIGTERM)
     return process.wait(timeout=30)
+
+
+@pytest.fixture
+def fused(monkeypatch) -> list[int]:
+    """The previous function token each language step fuses into the model's input, in step order (tool calls)."""
+    from services.llm import engine as llm_engine
+
+    seen: list[int] = []
+    run = llm_engine.LanguageSession._run
+
+    def spy(self, audio, want_heads):
+        if want_heads:
+            seen.append(self.prev_function)
+        return run(self, audio, want_heads)
+
+    monkeypatch.setattr(llm_engine.LanguageSession, "_run", spy)
+    return seen

@@ -23,7 +23,6 @@ from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc, language_pb2
 from services.common.server import start_server
 from services.common.tensors import to_proto_np
-from services.llm import engine as llm_engine
 from services.llm.service import build_spec as llm_spec
 from tests.realtime.fakes import Client, pcm16_b64
 from tests.scripted_head import ScriptedLanguage, call_script
@@ -93,21 +92,6 @@ def stack(tiny_checkpoint):
     stack = Stack(tiny_checkpoint)
     yield stack
     stack.close()
-
-
-@pytest.fixture
-def fused(monkeypatch) -> list[int]:
-    """The previous function token each language step fuses into the model's input, in step order."""
-    seen: list[int] = []
-    run = llm_engine.LanguageSession._run
-
-    def spy(self, audio, want_heads):
-        if want_heads:
-            seen.append(self.prev_function)
-        return run(self, audio, want_heads)
-
-    monkeypatch.setattr(llm_engine.LanguageSession, "_run", spy)
-    return seen
 
 
 def frame(t: int) -> np.ndarray:

@@ -16,7 +16,6 @@ from orchestrator.text import TextDecoder
 from orchestrator.tool_runner import ToolRunner
 from orchestrator.tools import Tool, render_system_prompt
 from services.common.config import VoiceChatConfig
-from services.llm import engine as llm_engine
 from tests.scripted_head import ScriptedLanguage, call_script
 
 N = 1280
@@ -40,21 +39,6 @@ def engines(tiny_checkpoint):
     engines = LocalEngines(tiny_checkpoint)
     yield engines
     engines.close()
-
-
-@pytest.fixture
-def fused(monkeypatch) -> list[int]:
-    """The previous function token each language step fuses into the model's input, in step order."""
-    seen: list[int] = []
-    run = llm_engine.LanguageSession._run
-
-    def spy(self, audio, want_heads):
-        if want_heads:
-            seen.append(self.prev_function)
-        return run(self, audio, want_heads)
-
-    monkeypatch.setattr(llm_engine.LanguageSession, "_run", spy)
-    return seen
 
 
 def open_session(engines, checkpoint, script, prompts=None, pipelined=False, **kwargs) -> OnlineSession:
