@@ -538,10 +538,12 @@ class _Connection:
         kind = payload["type"]
         if kind == "error":
             self.metrics.error(payload["error"]["code"])
+        timing = self.timing.frame() if kind == "response.audio.delta" else None  # a frame's last event goes out
+        if timing is not None:  # the server's measure of the frame against a live microphone, for the client
+            payload = {**payload, "latency_ms": round(timing.latency_s * 1e3, 1)}
         await self.websocket.send(json.dumps({"event_id": new_id("event_"), **payload}, separators=(",", ":")))
-        if kind == "response.audio.delta":  # a frame's last event went out
+        if kind == "response.audio.delta":
             self.metrics.frame(self._intervals.popleft())
-            self.timing.frame()
 
     async def error(self, code: str, message: str) -> None:
         await self.send(error_message(code, message))

@@ -210,6 +210,9 @@ function onEvent(c, event) {
     case "response.function_call_arguments.done":
       showToolCall(event);
       break;
+    case "conversation.item.created": // a tool's output on its way back into the model
+      if (event.item && event.item.type === "function_call_output") showToolCall(event);
+      break;
     case "response.audio.delta":
       onAudio(c, event);
       break;

@@ -15,6 +15,9 @@ from orchestrator.clients import ServiceError
 from orchestrator.realtime import RealtimeServer
 from orchestrator.session import ContextLimitError, Event, SessionClosedError
 
+# What differs between two runs of the same session: each event's random id and the server's latency measure.
+VARYING_FIELDS = ("event_id", "latency_ms")
+
 N = 1280  # input samples per frame
 OUT = 1764  # output samples per frame
 RATE = 16_000

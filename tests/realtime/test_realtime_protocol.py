@@ -13,7 +13,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from orchestrator.realtime import RealtimeLimits, RealtimeServer, decode_pcm16, encode_pcm16, session_options
-from tests.realtime.fakes import OUT, Client, FakeFactory, N, pcm16_b64, serve, wait_for
+from tests.realtime.fakes import OUT, VARYING_FIELDS, Client, FakeFactory, N, pcm16_b64, serve, wait_for
 
 EVENT_ID = re.compile(r"^event_[0-9a-f]{16}$")
 SESSION_ID = re.compile(r"^sess_[0-9a-f]{16}$")
@@ -67,9 +67,13 @@ def test_a_conversation_field_for_field():
                           "delta": "w", "transcript": "ww"}
     assert text == {"type": "response.text.delta", "event_id": text["event_id"], "frame_index": 1,
                     "token_id": 101, "delta": "a", "text": "aa"}
-    assert {k: v for k, v in sound.items() if k not in ("event_id", "delta")} == {
+    assert {k: v for k, v in sound.items() if k not in ("event_id", "delta", "latency_ms")} == {
         "type": "response.audio.delta", "frame_index": 1, "format": "pcm16", "sample_rate": 22050, "channels": 1,
         "audio_codes": list(range(1, 32))}
+    # the server's latency against a live microphone: frame 0 goes out after its audio came in, and frame 1 is
+    # due 80 ms after frame 0, so its latency is at least frame 0's less those 80 ms
+    first_latency = appended[2]["latency_ms"]
+    assert first_latency >= 0 and sound["latency_ms"] >= first_latency - 80.0
     pcm = np.frombuffer(base64.b64decode(sound["delta"]), "<i2")
     level = float(audio[N]) * 2.0
     expected = np.full(OUT, np.round(np.clip(level, -1, 1) * 32767), np.int16)
@@ -108,8 +112,8 @@ def test_appends_of_any_size_make_the_same_frames():
 
     whole, session_whole = run([len(audio)])
     pieces, session_pieces = run([1, 1279, 3000, 17, len(audio) - 4297])
-    strip = [{k: v for k, v in e.items() if k != "event_id"} for e in whole]
-    assert strip == [{k: v for k, v in e.items() if k != "event_id"} for e in pieces]
+    strip = [{k: v for k, v in e.items() if k not in VARYING_FIELDS} for e in whole]
+    assert strip == [{k: v for k, v in e.items() if k not in VARYING_FIELDS} for e in pieces]
     assert whole[-1] == {**whole[-1], "type": "response.done", "frame_index": 5}  # pad_partial false: 77 dropped
     assert all(len(p) <= N for p in session_pieces.pushes)
     assert np.array_equal(np.concatenate(session_whole.frames), np.concatenate(session_pieces.frames))
