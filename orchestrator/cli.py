@@ -47,6 +47,7 @@ from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
+from services.common.errors import EXIT_BIND, BindError
 from services.common.loading import keep_float32_matmuls
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.server import DEFAULT_GRACE_S
@@ -317,10 +318,7 @@ def serve(args: argparse.Namespace) -> int:
     model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
                       latency_budget_s=args.latency_budget_s)
-    try:  # bound before the services start: a busy port fails at once
-        exposition = start_from_args(metrics, args, args.host)
-    except OSError as exc:
-        raise UsageError(str(exc)) from None
+    exposition = start_from_args(metrics, args, args.host)  # bound before the services start: fails at once
     try:
         with connect_streams(model, **connection_from_args(args)) as clients:
             realtime = None
@@ -372,6 +370,9 @@ def _run(args: argparse.Namespace) -> int:
             ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BindError as exc:  # a port in use: one line, and the exit code that says so
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BIND
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -58,6 +58,7 @@ from orchestrator import web
 from orchestrator.audio import to_pcm16
 from orchestrator.latency import LatencyTracker, add_budget_flag
 from orchestrator.tokens import SUBPROTOCOL, EphemeralTokens, TooManyTokens, offered_token
+from services.common.errors import EXIT_BIND, BindError, bind_error
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 
@@ -367,9 +368,12 @@ class RealtimeServer:
         # Pings keep idle proxies from dropping the socket, but a missing pong ends nothing: a client that sends
         # audio faster than real time has its pong queued behind appends we have not read yet. Dead clients are
         # found by failed sends and the idle timeout instead.
-        self._server = await serve(self._handle, host, self.port, process_request=self._check_upgrade,
-                                   select_subprotocol=_select_subprotocol, max_size=self.limits.max_message_bytes,
-                                   compression=None, ping_timeout=None)
+        try:
+            self._server = await serve(self._handle, host, self.port, process_request=self._check_upgrade,
+                                       select_subprotocol=_select_subprotocol,
+                                       max_size=self.limits.max_message_bytes, compression=None, ping_timeout=None)
+        except OSError as exc:
+            raise bind_error(f"{self.host}:{self.port} for {self.path}", exc) from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("realtime gateway on %s", self.url)
         return self
@@ -869,7 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_BIND if isinstance(exc, BindError) else 1
     finally:
         if exposition is not None:
             exposition.stop()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
+from services.common.errors import EXIT_BIND, BindError
 from services.common.loading import keep_float32_matmuls
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
@@ -273,6 +274,9 @@ def run_service(
         )
     except KeyboardInterrupt:
         return 130
+    except BindError as exc:  # another process holds the port: say so, with the code that means it
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BIND
     except Exception as exc:  # cannot bind, bad checkpoint: one clear line; the traceback only at DEBUG
         logging.getLogger(prog).debug("startup failed", exc_info=True)
         detail = str(exc) if isinstance(exc, OSError | ValueError) else f"{type(exc).__name__}: {exc}"

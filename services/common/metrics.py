@@ -47,6 +47,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.errors import BindError
+
 SERVICES = ("perception", "llm", "tts", "codec", "orchestrator")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FRAME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.64, 1.28)
@@ -217,7 +219,7 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
 
 
 class MetricsServer:
-    """The Prometheus text exposition of `registry` over HTTP; binds at construction (OSError naming the address
+    """The Prometheus text exposition of `registry` over HTTP; binds at construction (BindError naming the address
     when it cannot), serves on a daemon thread until stop()."""
 
     def __init__(self, registry: CollectorRegistry, *, port: int, host: str) -> None:
@@ -229,13 +231,13 @@ class MetricsServer:
         try:
             family = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         except socket.gaierror as exc:
-            raise OSError(f"cannot serve metrics on {where}: {exc.strerror}") from exc
+            raise BindError(f"cannot serve metrics on {where}: {exc.strerror}") from exc
         server_class = type("MetricsHTTPServer", (_ThreadingServer,), {"address_family": family})
         try:
             self._server = make_server(bind, port, make_wsgi_app(registry), server_class, handler_class=_Handler)
         except OSError as exc:
             hint = " (is the port in use?)" if port else ""
-            raise OSError(f"cannot serve metrics on {where}: {exc.strerror or exc}{hint}") from exc
+            raise BindError(f"cannot serve metrics on {where}: {exc.strerror or exc}{hint}") from exc
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
@@ -311,7 +313,7 @@ def add_metrics_flags(parser: argparse.ArgumentParser, *, bind_flag: str = "--ho
 
 
 def start_from_args(metrics: Metrics, args: argparse.Namespace, bind_host: str) -> MetricsServer | None:
-    """The metrics server `add_metrics_flags`' flags ask for (None without --metrics-port); OSError when the port
+    """The metrics server `add_metrics_flags`' flags ask for (None without --metrics-port); BindError when the port
     cannot be bound."""
     if args.metrics_port is None:
         return None

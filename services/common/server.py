@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -33,7 +34,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import LimitExceeded, ServiceUnavailable
+from services.common.errors import BindError, LimitExceeded, ServiceUnavailable, bind_error
 from services.common.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,24 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
+def _check_free(host: str, port: int) -> None:
+    """BindError when HOST:PORT cannot be bound. gRPC refuses it too, but says why only in a log line of its own
+    on stderr; this probe puts the reason in the one line the process prints."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        return  # gRPC's own resolution reports it
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+        try:
+            probe.bind(where)
+        except OSError as exc:
+            raise bind_error(f"{host}:{port}", exc) from None
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -249,7 +268,10 @@ async def start_server(
                # while a session's stream is idle; the default policy (one per 5 minutes without data) would
                # answer them with GOAWAY "too_many_pings" and end every session on the connection.
                ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
-               ("grpc.keepalive_permit_without_calls", 1)]
+               ("grpc.keepalive_permit_without_calls", 1),
+               # With SO_REUSEPORT (gRPC's default on Linux) a second server binds a busy port and the kernel
+               # splits the connections between the two: a port in use must fail instead.
+               ("grpc.so_reuseport", 0)]
     gate = _Gate()
     server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics)], options=options)
     for add, servicer in registrations:
@@ -260,12 +282,13 @@ async def start_server(
 
     host = _bracket(host)
     address = f"{host}:{port}"
+    _check_free(host, port)
     try:
         bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc} (is the port in use?)") from exc
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address} (is the port in use?)")
+        raise BindError(f"cannot listen on {address}: the port is in use (or the host is not this machine's)")
     running = RunningServer(server, host, bound, health_servicer, service_names, gate)
     await running.set_serving(False)
     await server.start()

@@ -235,11 +235,11 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(tiny_checkpoint, capsys):
         result = subprocess.run([sys.executable, "-m", "services.codec", "--model", str(tiny_checkpoint),
                                  "--host", HOST, "--port", "0", "--metrics-port", str(port)],
                                 capture_output=True, text=True, timeout=120)
-        assert result.returncode == 1 and result.stdout == ""
+        assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.strip() == (f"services.codec: error: cannot serve metrics on {HOST}:{port}: "
                                          "Address already in use (is the port in use?)")
         code = main(["serve", "--model", str(tiny_checkpoint), "--host", HOST, "--metrics-port", str(port)])
-    assert code == 1  # refused before any service started
+    assert code == 2  # refused before any service started, with the port-in-use exit code
     assert capsys.readouterr().err.strip() == (f"error: cannot serve metrics on {HOST}:{port}: Address already in use "
                                                "(is the port in use?)")
 
