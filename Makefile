@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?=
 
-.PHONY: install demo test lint protos goldens clean serve-perception serve-llm serve-tts serve-codec
+SERVE_TARGETS := serve-perception serve-llm serve-tts serve-codec
+
+.PHONY: install demo test lint protos goldens clean $(SERVE_TARGETS)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +35,10 @@ protos: $(STAMP)
 goldens:
 	.ref/bin/python tests/parity/make_goldens.py
 
-serve-%: $(STAMP)
-	$(BIN)/python -m services.$* --model $(MODEL) --port $(or $(PORT),0)
+# One network service in the foreground (make serve-codec PORT=50054); the demo checkpoint unless MODEL=DIR. A static
+# pattern rule: make never matches a phony target against an implicit `serve-%` rule, so that one did nothing.
+$(SERVE_TARGETS): serve-%: $(STAMP)
+	$(BIN)/python -m services.$* $(if $(MODEL),--model $(MODEL)) --port $(or $(PORT),0)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -3,8 +3,9 @@
     python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
                              [--cache-limit-mb MB] [--log-level L] [--metrics-port N] [--metrics-host H]
 
---model defaults to $VOICECHAT_MODEL. Once the model has loaded and health says SERVING, the process prints
-`listening on HOST:PORT` (flushed) to stdout, so a parent that started it with --port 0 can parse the port.
+--model defaults to $VOICECHAT_MODEL, else the demo checkpoint (tiny, random weights; see orchestrator.model).
+Once the model has loaded and health says SERVING, the process prints `listening on HOST:PORT` (flushed) to
+stdout, so a parent that started it with --port 0 can parse the port.
 With --metrics-port (default $VOICECHAT_METRICS_PORT) it serves Prometheus metrics from startup on and prints
 `metrics on http://HOST:PORT/metrics` right after that line.
 
@@ -151,8 +152,10 @@ def add_split_matmuls_flag(parser: argparse.ArgumentParser, needs: str = "") -> 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate the common flags (exits with a usage error naming the bad one)."""
     args = parser.parse_args(argv)
-    if args.model is None:
-        parser.error(f"--model DIR is required (or set ${MODEL_ENV})")
+    if args.model is None:  # as the orchestrator: the demo checkpoint, with a note saying so
+        from orchestrator.model import resolve_model
+
+        args.model = resolve_model(None)
     if not args.model.is_dir():
         parser.error(f"--model {args.model}: no such directory")
     if not 0 <= args.port <= 65535:

@@ -434,8 +434,6 @@ def test_cli_flags(tmp_path, monkeypatch):
     parser = cli.build_parser("svc", "test")
     monkeypatch.delenv(cli.MODEL_ENV, raising=False)
     with pytest.raises(SystemExit):
-        cli.parse_args(cli.build_parser("svc", "test"), [])
-    with pytest.raises(SystemExit):
         cli.parse_args(parser, ["--model", str(tmp_path / "missing")])
     args = cli.parse_args(parser, ["--model", str(tmp_path), "--port", "0", "--log-level", "debug"])
     assert (args.model, args.port, args.host, args.log_level) == (tmp_path, 0, "[::]", "DEBUG")
