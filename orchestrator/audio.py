@@ -152,14 +152,22 @@ def to_pcm16(samples: np.ndarray, scale: float = 32767.0) -> np.ndarray:
 
 
 def check_writable(path: str | Path, overwrite: bool = True) -> Path:
-    """Fail before any work when the output cannot be written (missing folder, a folder in the way)."""
+    """Fail before any work when the output cannot be written: a missing folder, a folder in the way, the user's
+    own file (unless `overwrite`), or a folder that takes no new file (read-only, no permission, full), found by
+    creating and removing a temporary file there."""
     path = Path(path)
     if path.is_dir():
-        raise AudioError(f"{path}: is a folder; give a file name for the output WAV")
+        raise AudioError(f"{path}: is a folder; give a file name for the output")
     if path.exists() and not overwrite:
-        raise AudioError(f"{path}: already exists; remove it or pass another output path")
+        raise AudioError(f"{path}: already exists; pass --force to overwrite it, or another output path")
     if not path.parent.exists():
-        raise AudioError(f"{path.parent}: no such folder for the output WAV")
+        raise AudioError(f"{path.parent}: no such folder for the output")
+    try:
+        with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", suffix=".probe", dir=path.parent):
+            pass
+    except OSError as exc:
+        raise AudioError(f"{path}: cannot write there ({exc.strerror or exc}); give an output path in a writable "
+                         "folder") from None
     return path
 
 

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -187,7 +187,6 @@ def offline(args: argparse.Namespace) -> int:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)
     text = decoder.decode(result.text_tokens)
     function_text = decoder.decode(result.function_tokens)
-    write_wav(args.output_audio, result.audio, config.output_sample_rate)
     meta = {
         "transcript": result.perception.transcript,
         "text": text,
@@ -195,10 +194,11 @@ def offline(args: argparse.Namespace) -> int:
         "prompt_frames": result.prompt_frames,
         "sample_rate": config.output_sample_rate,
     }
-    if args.dump:
-        dump_offline(args.dump, result, meta)
+    failure = save((args.output_audio, lambda: write_wav(args.output_audio, result.audio, config.output_sample_rate)),
+                   (args.dump, lambda: dump_offline(args.dump, result, meta)))
     if args.json:
-        report = {**meta, "frames": int(result.text_tokens.shape[0]), "output_audio": str(args.output_audio),
+        report = {**meta, "frames": int(result.text_tokens.shape[0]),
+                  "output_audio": None if failure else str(args.output_audio),
                   "seconds": {k: round(v, 4) for k, v in result.seconds.items()}}
         print(json.dumps(report, ensure_ascii=False))
     else:
@@ -206,8 +206,25 @@ def offline(args: argparse.Namespace) -> int:
         print(text)
         if function_text:
             print(f"[function] {function_text}")
+    if failure:  # printed after the answer, which is not lost with the file
+        raise failure
+    if not args.json:
         print(f"wrote {args.output_audio} ({len(result.audio) / config.output_sample_rate:.2f} s)", file=sys.stderr)
     return 0
+
+
+def save(*writes: tuple[Path | None, Callable[[], object]]) -> AudioError | None:
+    """Run each (path, write) whose path is set; the first that fails (a disk that filled or turned read-only
+    since the check before the turn) stops them and comes back as one line naming its file."""
+    for path, write in writes:
+        if path is None:
+            continue
+        try:
+            write()
+        except OSError as exc:
+            return AudioError(f"{path}: could not be written ({exc.strerror or exc}); the transcript and text are "
+                              "printed above")
+    return None
 
 
 def stream(args: argparse.Namespace) -> int:
@@ -247,9 +264,10 @@ def stream(args: argparse.Namespace) -> int:
     print(f"[user] {texts['user_transcript_delta']}")
     if texts["function_delta"]:
         print(f"[function] {texts['function_delta']}")
-    write_wav(args.output_audio, audio, config.output_sample_rate)
-    if args.dump:
-        dump_stream(args.dump, session, events, texts)
+    failure = save((args.output_audio, lambda: write_wav(args.output_audio, audio, config.output_sample_rate)),
+                   (args.dump, lambda: dump_stream(args.dump, session, events, texts)))
+    if failure:
+        raise failure
     if args.profile:
         print(json.dumps(session.profile.summary(drop_first=args.drop_cold_frames)))
     print(f"wrote {args.output_audio} ({len(audio) / config.output_sample_rate:.2f} s)", file=sys.stderr)
