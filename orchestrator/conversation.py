@@ -11,7 +11,9 @@ Each stream owns one OnlineSession (its own stream on every network service), so
 at most `max_sessions` run at once (SERVER_BUSY beyond). Bad input (a wrong rate, non-finite samples, audio
 after Flush) is answered with an INVALID_REQUEST Error and the conversation goes on; running past
 max_streaming_seconds (LIMIT_EXCEEDED) or a failed service (SERVICE_UNAVAILABLE, INFERENCE_ERROR) ends it with
-that Error. However a stream ends (Done, error, or a client that vanished) every service session is freed.
+that Error. A message that does not parse ends it with an INVALID_REQUEST Error and status INVALID_ARGUMENT.
+However a stream ends (Done, error, or a client that vanished) every service session is freed, and its slot is
+free at once (the sessions close in the background).
 
 `metrics` (voicechat_*{service="orchestrator"}) sees the conversations holding a slot, every frame whose events
 went out (timed by the session's frame interval, and by its LatencyTracker against the live schedule from the first
@@ -29,7 +31,9 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from orchestrator.clients import ServiceError
 from orchestrator.latency import LatencyTracker
@@ -53,9 +57,12 @@ _READER_DONE = object()
 
 
 class _Fatal(Exception):
-    def __init__(self, code: int, message: str):
+    """An Error that ends the conversation; with `status` the stream then ends with that status, not OK."""
+
+    def __init__(self, code: int, message: str, status: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
 def _error(code: int, message: str) -> pb.ConverseResponse:
@@ -166,11 +173,14 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     async def Converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                        context) -> AsyncIterator[pb.ConverseResponse]:
         """The conversation, each Error it sends counted by code."""
-        async with contextlib.aclosing(self._converse(request_iterator, context)) as responses:
-            async for response in responses:
-                if response.WhichOneof("event") == "error":
-                    self.metrics.error(pb.ErrorCode.Name(response.error.code))
-                yield response
+        try:
+            async with contextlib.aclosing(self._converse(request_iterator, context)) as responses:
+                async for response in responses:
+                    if response.WhichOneof("event") == "error":
+                        self.metrics.error(pb.ErrorCode.Name(response.error.code))
+                    yield response
+        except _Fatal as fatal:  # its Error event went out (and was counted): the status says it again
+            await context.abort(fatal.status, str(fatal))
 
     async def _converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                         context) -> AsyncIterator[pb.ConverseResponse]:
@@ -252,10 +262,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
             self._outboxes.discard(out)
             if reader is not None:
                 reader.cancel()
-            if session is not None:
-                closing = loop.run_in_executor(None, drive, session.close)
-                closing.add_done_callback(lambda _: self._release())
-            elif slot:
+            if session is not None:  # freed behind a call in flight, which may take frames to return
+                loop.run_in_executor(None, drive, session.close)
+            if slot:  # at once: a client that reconnects right away finds its slot free
                 self._release()
 
     def _release(self) -> None:
@@ -324,6 +333,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     await asyncio.to_thread(drive, session.flush, True)
                 except Exception as exc:  # noqa: BLE001
                     out.put_nowait(_Fatal(pb.ERROR_CODE_INFERENCE_ERROR, f"{type(exc).__name__}: {exc}"))
+        except DecodeError as exc:  # bytes that are no ConverseRequest: the stream cannot be trusted past them
+            out.put_nowait(_Fatal(pb.ERROR_CODE_INVALID_REQUEST, f"a request message does not parse: {exc}; the "
+                                  "conversation ended", grpc.StatusCode.INVALID_ARGUMENT))
         finally:
             out.put_nowait(_READER_DONE)
 
@@ -349,6 +361,8 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 continue
             if isinstance(item, _Fatal):
                 yield _error(item.code, str(item))
+                if item.status is not None:
+                    raise item
                 return
             if isinstance(item, tuple):
                 yield _error(*item)

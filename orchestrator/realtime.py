@@ -83,6 +83,7 @@ SERVER_SHUTTING_DOWN = "server_shutting_down"
 SESSION_INITIALIZATION_FAILED = "session_initialization_failed"
 INFERENCE_ERROR = "inference_error"
 INVALID_FUNCTION_CALL = "invalid_function_call"  # the model wrote a malformed tool call; the session goes on
+SESSION_CLOSED = "session_closed"  # after the error that ended the session: a notice, not another fault
 
 
 def new_id(prefix: str) -> str:
@@ -484,14 +485,21 @@ class RealtimeServer:
         connection = _Connection(self, websocket)
         self._connections.add(connection)
         log.info("realtime %s: connected (%d/%d slots)", connection.id, self.live_sessions, self.max_sessions)
+        running = asyncio.ensure_future(connection.run())
+        gone = asyncio.ensure_future(websocket.wait_closed())  # a client that leaves mid-append is noticed now
         try:
-            await connection.run()
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not running.done():
+                running.cancel()
+                raise ConnectionClosed(None, None)
+            running.result()
         except ConnectionClosed:
             log.info("realtime %s: the client disconnected", connection.id)
         finally:
+            gone.cancel()
             self._connections.discard(connection)
+            connection.release()  # at once: a client reconnecting right away must not find the server busy
             await connection.end_session()
-            connection.release()
 
     def _release(self) -> None:
         self.live_sessions -= 1
@@ -531,6 +539,7 @@ class _Connection:
         self.session: RealtimeSession | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._holds_slot = True
+        self.failure: str | None = None  # what closed the session, once a service failure has
         self.metrics = server.metrics
         self._intervals: collections.deque[float | None] = collections.deque()  # of audio deltas not yet sent
         self.timing = LatencyTracker(self.factory.frame_samples / self.factory.input_sample_rate,
@@ -540,7 +549,7 @@ class _Connection:
 
     async def send(self, payload: dict) -> None:
         kind = payload["type"]
-        if kind == "error":
+        if kind == "error" and payload["error"]["code"] != SESSION_CLOSED:  # a fault counts once
             self.metrics.error(payload["error"]["code"])
         timing = self.timing.frame() if kind == "response.audio.delta" else None  # a frame's last event goes out
         if timing is not None:  # the server's measure of the frame against a live microphone, for the client
@@ -632,6 +641,10 @@ class _Connection:
             "output_audio_format": _audio_format(factory.output_sample_rate), **tool_settings(self.session)}})
 
     async def append(self, message: dict) -> None:
+        """Push the append's audio; after a failure that closed the session, audio is dropped (the client was told
+        once, with SESSION_CLOSED)."""
+        if self.failure is not None:
+            return
         try:
             samples = decode_pcm16(message.get("audio"))
             rate = message.get("sample_rate", self.factory.input_sample_rate)
@@ -648,6 +661,10 @@ class _Connection:
             except Exception as exc:  # noqa: BLE001 - the loop goes on; the append stops at this slice
                 log.info("realtime %s: append failed: %s", self.id, _describe(exc))
                 await self.error(INFERENCE_ERROR, _describe(exc))
+                if self.session.closed:  # a service failed: the session is over, not just this append
+                    self.failure = _describe(exc)
+                    await self.error(SESSION_CLOSED, f"this session is closed because of the error above "
+                                                     f"({self.failure}); commit to end it, then open a new connection")
                 return
             await self.send_all(messages)
 
@@ -731,9 +748,9 @@ class _Connection:
     # ---------------------------------------------------------------------------------------- the end
 
     async def finish(self, code: int, reason: str) -> None:
-        """Free the session and the slot, then send the close frame."""
-        await self.end_session()
+        """Free the slot and the session, then send the close frame."""
         self.release()
+        await self.end_session()
         await self.websocket.close(code, reason)
 
     async def shut_down(self, message: str) -> None:
@@ -742,8 +759,8 @@ class _Connection:
             await self.error(SERVER_SHUTTING_DOWN, message)
             await self.finish(CLOSE_GOING_AWAY, "server shutting down")
         except ConnectionClosed:
-            await self.end_session()
             self.release()
+            await self.end_session()
 
     async def end_session(self) -> None:
         """Close the session (a no-op after flush or cancel; frees every service's state otherwise)."""

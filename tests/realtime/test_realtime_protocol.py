@@ -318,18 +318,23 @@ def test_a_model_failure_stops_the_append_at_its_slice_and_commit_still_ends_wit
         await client.configure()
         await client.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(ramp(4 * N))})
         events = await client.until("error")
-        await client.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(ramp(N))})
         events.append(await client.recv())
+        for _ in range(5):  # audio after the failure: dropped, not answered with an error each
+            await client.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(ramp(N))})
         await client.send({"type": "input_audio_buffer.commit"})
-        return events, await client.rest(), client.close_code
+        return events, await client.rest(), client.close_code, server.metrics
 
-    events, rest, code = serve(scenario, factory)
+    events, rest, code, metrics = serve(scenario, factory)
     assert [e["type"] for e in events[:3]] == ["conversation.item.input_audio_transcription.delta",
                                                "response.text.delta", "response.audio.delta"]
-    assert events[3]["error"]["code"] == "inference_error" and "stopped responding" in events[3]["error"]["message"]
+    fault = "ServiceError: the llm service at x:1 stopped responding (UNAVAILABLE: gone)"
+    assert events[3]["error"] == {"code": "inference_error", "message": fault}
     assert len(factory.sessions[0].pushes) == 2  # the failing slice was the last one pushed
-    assert events[4]["error"]["code"] == "inference_error" and "closed" in events[4]["error"]["message"]
+    assert events[4]["error"] == {"code": "session_closed", "message": (
+        f"this session is closed because of the error above ({fault}); commit to end it, then open a new connection")}
     assert [e["type"] for e in rest] == ["input_audio_buffer.committed", "response.done"]
+    assert metrics.value("voicechat_errors_total", code="inference_error") == 1  # the fault, once
+    assert metrics.value("voicechat_errors_total", code="session_closed") is None
     assert rest[-1]["frame_index"] == 1 and code == 1000
 
 
