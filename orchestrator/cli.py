@@ -9,7 +9,7 @@
                                [--services ...] [--in-process]
     orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
                        [--metrics-port N] [--metrics-host H] [--latency-budget-ms MS] [--tools MODULE]
-                       [--tool-timeout S]
+                       [--tool-timeout S] [--api-key KEY] [--tls-cert PEM --tls-key PEM]
 
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
@@ -50,6 +50,7 @@ from services.common.config import ConfigError, VoiceChatConfig
 from services.common.errors import EXIT_BIND, BindError
 from services.common.loading import keep_float32_matmuls
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
+from services.common.security import load_tls
 from services.common.server import DEFAULT_GRACE_S
 
 
@@ -333,10 +334,13 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--frame-tick-ms {args.frame_tick_ms}: must be zero (off) or more")
     runner = tool_runner(args)
     ticker = FrameTicker(args.frame_tick_ms / 1000.0) if args.frame_tick_ms else None
+    if args.api_key == "":
+        raise UsageError("--api-key must not be empty (leave it out to accept every client)")
+    tls = load_tls(args.tls_cert, args.tls_key)
     model = model_for(args)
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
                       latency_budget_s=args.latency_budget_s)
-    exposition = start_from_args(metrics, args, args.host)  # bound before the services start: fails at once
+    exposition = start_from_args(metrics, args)  # bound before the services start: fails at once
     try:
         with connect_streams(model, **connection_from_args(args)) as clients:
             realtime = None
@@ -347,7 +351,7 @@ def serve(args: argparse.Namespace) -> int:
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                        realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
-                       metrics_server=exposition, runner=runner, ticker=ticker)
+                       metrics_server=exposition, runner=runner, ticker=ticker, api_key=args.api_key, tls=tls)
     finally:
         if exposition is not None:
             exposition.stop()

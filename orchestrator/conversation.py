@@ -47,6 +47,7 @@ from services.common.cli import announce
 from services.common.config import VoiceChatConfig
 from services.common.metrics import Metrics, MetricsServer
 from services.common.metrics import announce as announce_metrics
+from services.common.security import Tls
 from services.common.server import DEFAULT_GRACE_S, RunningServer, full_service_name, serve
 from services.common.tensors import from_proto_np, to_proto_np
 
@@ -388,10 +389,12 @@ def registrations(servicer: ConversationServicer):
 def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[::]", port: int = 0,
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
                realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
-               metrics_server: MetricsServer | None = None, runner=None, ticker=None) -> None:
+               metrics_server: MetricsServer | None = None, runner=None, ticker=None, api_key: str | None = None,
+               tls: Tls | None = None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
+    With `api_key` every call needs `authorization: Bearer KEY` metadata; with `tls` the port speaks TLS.
 
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
@@ -410,7 +413,7 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
 
     async def main() -> None:
         options = dict(host=host, port=port, on_ready=on_ready, grace_s=drain_seconds, drain=drain,
-                       metrics=servicer.metrics)
+                       metrics=servicer.metrics, api_key=api_key, tls=tls)
         if realtime is None:
             await serve(registrations(servicer), [SERVICE_NAME], **options)
             return

@@ -34,7 +34,6 @@ import base64
 import binascii
 import collections
 import concurrent.futures
-import hmac
 import json
 import logging
 import math
@@ -61,6 +60,7 @@ from orchestrator.tokens import SUBPROTOCOL, EphemeralTokens, TooManyTokens, off
 from services.common.errors import EXIT_BIND, BindError, bind_error
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
+from services.common.security import Tls, add_tls_flags, bearer_matches, load_tls
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +321,9 @@ def _audio_format(rate: int) -> dict:
 class RealtimeServer:
     """The gateway on `host:port` (0 picks a free port; `port` holds the bound one once started).
 
-    api_key: when set, the upgrade must carry `Authorization: Bearer <key>` or a token from
-        POST /v1/realtime/sessions in its subprotocols (401 otherwise); tokens live `token_ttl_s` seconds.
+    api_key: when set, the upgrade must carry `Authorization: Bearer <key>` (the scheme in any case) or a token
+        from POST /v1/realtime/sessions in its subprotocols (401 otherwise); tokens live `token_ttl_s` seconds.
+    tls: serve https:// and wss:// with this certificate.
     allowed_origins: None accepts every Origin; otherwise a browser Origin not listed gets 403 ("*" allows all).
         A request without Origin is a non-browser client and is accepted.
     api_prefix: prepended to /v1/realtime (e.g. "/api" serves /api/v1/realtime); other paths get 404.
@@ -334,7 +335,7 @@ class RealtimeServer:
     def __init__(self, factory: SessionFactory, *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, allowed_origins: Sequence[str] | None = None, api_prefix: str = "",
                  max_sessions: int = 1, limits: RealtimeLimits | None = None, metrics: Metrics | None = None,
-                 token_ttl_s: float = 60.0):
+                 token_ttl_s: float = 60.0, tls: Tls | None = None):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         if api_key is not None and not api_key:
@@ -349,6 +350,7 @@ class RealtimeServer:
         self.tokens = EphemeralTokens(token_ttl_s)
         self.max_sessions = max_sessions
         self.limits = limits or RealtimeLimits()
+        self.tls = tls
         self.live_sessions = 0  # connections holding a slot; touched only on the event loop
         self.draining = False  # set by drain(): upgrades are refused with 503
         self._connections: set[_Connection] = set()
@@ -362,7 +364,7 @@ class RealtimeServer:
         host = self.host if self.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1"
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"ws://{host}:{self.port}{self.path}"
+        return f"{'wss' if self.tls else 'ws'}://{host}:{self.port}{self.path}"
 
     async def start(self) -> RealtimeServer:
         host = self.host.strip("[]") or None
@@ -372,7 +374,8 @@ class RealtimeServer:
         try:
             self._server = await serve(self._handle, host, self.port, process_request=self._check_upgrade,
                                        select_subprotocol=_select_subprotocol,
-                                       max_size=self.limits.max_message_bytes, compression=None, ping_timeout=None)
+                                       max_size=self.limits.max_message_bytes, compression=None, ping_timeout=None,
+                                       ssl=self.tls.ssl_context() if self.tls else None)
         except OSError as exc:
             raise bind_error(f"{self.host}:{self.port} for {self.path}", exc) from None
         self.port = self._server.sockets[0].getsockname()[1]
@@ -429,8 +432,7 @@ class RealtimeServer:
         return self._refuse_origin(connection, request)
 
     def _has_key(self, request: Request) -> bool:
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+        return bearer_matches(request.headers.get("Authorization"), self.api_key)
 
     def _redeems_token(self, request: Request) -> bool:
         try:
@@ -814,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGTERM: new connections are refused and live sessions get this many seconds, then "
                              "end with server_shutting_down (default 5)")
-    add_metrics_flags(parser, bind_flag="--realtime-host")
+    add_metrics_flags(parser)
     add_budget_flag(parser)
     return parser
 
@@ -824,7 +826,10 @@ def add_realtime_flags(parser: argparse.ArgumentParser, *, port_flag: str = "--r
     parser.add_argument(port_flag, dest="realtime_port", type=int, default=8080,
                         help="WebSocket port for /v1/realtime; 0 picks a free one (default 8080)")
     parser.add_argument("--realtime-host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on the upgrade")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on the WebSocket upgrade and, under `serve`, as "
+                             "gRPC metadata on every Converse call")
+    add_tls_flags(parser)
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated browser origins allowed to connect (default: any; '*' = any)")
     parser.add_argument("--api-prefix", default="", help="path prefix, e.g. /api serves /api/v1/realtime")
@@ -854,7 +859,8 @@ def server_from_args(args: argparse.Namespace, factory: SessionFactory,
                             update_timeout_s=args.session_update_timeout, idle_timeout_s=args.idle_timeout)
     return RealtimeServer(factory, host=args.realtime_host, port=args.realtime_port, api_key=args.api_key,
                           allowed_origins=origins, api_prefix=args.api_prefix,
-                          max_sessions=args.realtime_max_sessions, limits=limits, metrics=metrics)
+                          max_sessions=args.realtime_max_sessions, limits=limits, metrics=metrics,
+                          tls=load_tls(args.tls_cert, args.tls_key))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -869,7 +875,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         connection = connection_from_args(args)
         model = resolve_model(args.model)
-        exposition = start_from_args(metrics, args, args.realtime_host)  # a busy port fails before any service
+        exposition = start_from_args(metrics, args)  # a busy port fails before any service
         with connect_streams(model, **connection) as clients:
             server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
                                                                      pipelined=args.realtime_pipelined), metrics)

@@ -41,6 +41,7 @@ MODEL_ENV = "VOICECHAT_MODEL"
 PARENT_PID_ENV = "VOICECHAT_PARENT_PID"  # set by the orchestrator's launcher for the services it starts
 _PR_SET_PDEATHSIG = 1
 READY_PREFIX = "listening on "  # what parse_ready_line looks for
+DEFAULT_HOST = "127.0.0.1"  # a network service is internal: only the orchestrator's front doors face clients
 
 
 @dataclass
@@ -64,7 +65,9 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=os.environ.get(MODEL_ENV) or None,
         help=f"checkpoint directory (config.json, model*.safetensors, ...); default ${MODEL_ENV}",
     )
-    parser.add_argument("--host", default="[::]", help="address to bind (default [::], all interfaces)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 or [::] for "
+                             "an orchestrator on another host)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
     parser.add_argument(
         "--max-message-mb",
@@ -255,7 +258,7 @@ def run_service(
         if args.metrics_port is not None and spec.metrics is None:
             raise ValueError(f"--metrics-port: {prog} has no metrics")
         if spec.metrics is not None:  # bound before the model loads: a busy port fails at once
-            exposition = start_from_args(spec.metrics, args, args.host)
+            exposition = start_from_args(spec.metrics, args)
 
         def on_ready(running: RunningServer) -> None:
             announce(running)

@@ -301,20 +301,24 @@ def _port(text: str) -> int:
     return port
 
 
-def add_metrics_flags(parser: argparse.ArgumentParser, *, bind_flag: str = "--host") -> None:
-    """--metrics-port N (default $VOICECHAT_METRICS_PORT, else no metrics server) and --metrics-host H
-    (None: the caller binds where `bind_flag` binds)."""
+DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics say much about the traffic: this machine only, unless told otherwise
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port N (default $VOICECHAT_METRICS_PORT, else no metrics server) and --metrics-host H (default
+    DEFAULT_METRICS_HOST, whatever address the server itself binds)."""
     parser.add_argument(
         "--metrics-port", type=_port, default=os.environ.get(METRICS_PORT_ENV) or None,
         help=f"serve Prometheus metrics at http://HOST:N/metrics; 0 picks a free port (default ${METRICS_PORT_ENV}, "
              "else no metrics server)")
-    parser.add_argument("--metrics-host", default=None,
-                        help=f"address the metrics server binds (default: the {bind_flag} address)")
+    parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST,
+                        help=f"address the metrics server binds (default {DEFAULT_METRICS_HOST}: this machine only; "
+                             "0.0.0.0 for a scraper on another host)")
 
 
-def start_from_args(metrics: Metrics, args: argparse.Namespace, bind_host: str) -> MetricsServer | None:
+def start_from_args(metrics: Metrics, args: argparse.Namespace) -> MetricsServer | None:
     """The metrics server `add_metrics_flags`' flags ask for (None without --metrics-port); BindError when the port
     cannot be bound."""
     if args.metrics_port is None:
         return None
-    return metrics.serve(args.metrics_port, args.metrics_host or bind_host)
+    return metrics.serve(args.metrics_port, args.metrics_host)

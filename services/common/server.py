@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import BindError, LimitExceeded, ServiceUnavailable, bind_error
 from services.common.metrics import Metrics
+from services.common.security import Tls, bearer_matches
 
 log = logging.getLogger(__name__)
 
@@ -130,34 +131,53 @@ def _wrap_stream_response(behavior: Callable, gate: _Gate, metrics: Metrics | No
 
 
 def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate, metrics: Metrics | None) -> grpc.RpcMethodHandler:
+    return _rebuilt(handler, lambda behavior: _wrap_unary_response(behavior, gate, metrics),
+                    lambda behavior: _wrap_stream_response(behavior, gate, metrics))
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, unary: Callable[[Callable], Callable],
+             stream: Callable[[Callable], Callable]) -> grpc.RpcMethodHandler:
+    """The handler of the same kind and codecs whose behavior is unary(behavior) for a unary response, else
+    stream(behavior)."""
     codecs = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary_response(handler.unary_unary, gate, metrics), **codecs
-        )
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codecs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary_response(handler.stream_unary, gate, metrics), **codecs
-        )
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **codecs)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream_response(handler.unary_stream, gate, metrics), **codecs
-        )
-    return grpc.stream_stream_rpc_method_handler(
-        _wrap_stream_response(handler.stream_stream, gate, metrics), **codecs
-    )
+        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **codecs)
+    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **codecs)
+
+
+UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send the metadata `authorization: Bearer KEY`"
+
+
+def _refusal(handler: grpc.RpcMethodHandler, metrics: Metrics | None) -> grpc.RpcMethodHandler:
+    """The handler answering every call UNAUTHENTICATED (counted in `metrics`) before the servicer sees it."""
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if metrics is not None:
+            metrics.error(grpc.StatusCode.UNAUTHENTICATED.name)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    return _rebuilt(handler, lambda _: refuse, lambda _: refuse)
+
+
+def _authorization(details: grpc.HandlerCallDetails) -> str | None:
+    return next((value for key, value in details.invocation_metadata or () if key == "authorization"), None)
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Answers UNAVAILABLE until the gate opens and maps servicer exceptions to status codes (status_for),
-    counting them in `metrics` when given."""
+    counting them in `metrics` when given. With `api_key`, every call but a health check needs the metadata
+    `authorization: Bearer KEY` (UNAUTHENTICATED otherwise): probes stay open, reflection does not."""
 
-    def __init__(self, gate: _Gate, metrics: Metrics | None = None) -> None:
+    def __init__(self, gate: _Gate, metrics: Metrics | None = None, api_key: str | None = None) -> None:
         self._gate = gate
         self._metrics = metrics
+        self._api_key = api_key
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
@@ -166,10 +186,15 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method  # "/package.Service/Method"
+        service = method.lstrip("/").split("/")[0]
+        if self._api_key is not None and service != health.SERVICE_NAME \
+                and not bearer_matches(_authorization(handler_call_details), self._api_key):
+            handler = await continuation(handler_call_details)
+            return None if handler is None else _refusal(handler, self._metrics)
         if method in self._wrapped:
             return self._wrapped[method]
         handler = await continuation(handler_call_details)
-        if handler is None or method.lstrip("/").split("/")[0] in _INFRA_SERVICES:
+        if handler is None or service in _INFRA_SERVICES:
             return handler
         self._wrapped[method] = _wrap(handler, self._gate, self._metrics)
         return self._wrapped[method]
@@ -254,11 +279,14 @@ async def start_server(
     port: int = 0,
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
     metrics: Metrics | None = None,
+    api_key: str | None = None,
+    tls: Tls | None = None,
 ) -> RunningServer:
     """Bind and start a server whose services answer UNAVAILABLE (health NOT_SERVING) until set_serving(True).
 
     port 0 binds an ephemeral port, reported as `RunningServer.port`. Errors the interceptor maps are counted in
-    `metrics` when given.
+    `metrics` when given. With `api_key` calls need `authorization: Bearer KEY` (see ServiceInterceptor); with
+    `tls` the port speaks TLS only.
     """
     if max_message_mb <= 0:
         raise ValueError(f"max_message_mb must be positive, got {max_message_mb}")
@@ -273,7 +301,7 @@ async def start_server(
                # splits the connections between the two: a port in use must fail instead.
                ("grpc.so_reuseport", 0)]
     gate = _Gate()
-    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics)], options=options)
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics, api_key)], options=options)
     for add, servicer in registrations:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -284,7 +312,8 @@ async def start_server(
     address = f"{host}:{port}"
     _check_free(host, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_secure_port(address, tls.grpc_credentials()) if tls is not None
+                 else server.add_insecure_port(address))
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -326,11 +355,14 @@ async def serve(
     stop: asyncio.Event | None = None,
     drain: Callable[[float], Awaitable[None]] | None = None,
     metrics: Metrics | None = None,
+    api_key: str | None = None,
+    tls: Tls | None = None,
 ) -> None:
     """Run a server until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully.
 
     The server listens at once with health NOT_SERVING, awaits load(), turns SERVING and calls on_ready.
-    A load() failure stops the server and propagates. `metrics` counts the errors the interceptor maps.
+    A load() failure stops the server and propagates. `metrics` counts the errors the interceptor maps;
+    `api_key` and `tls` are start_server's.
 
     Shutting down, health turns NOT_SERVING (so health-checking clients send new sessions elsewhere). Without
     `drain`, new calls are refused and calls in flight get grace_s seconds before they are cancelled. With it,
@@ -339,7 +371,8 @@ async def serve(
     """
     stop = stop or asyncio.Event()
     running = await start_server(
-        registrations, service_names, host=host, port=port, max_message_mb=max_message_mb, metrics=metrics
+        registrations, service_names, host=host, port=port, max_message_mb=max_message_mb, metrics=metrics,
+        api_key=api_key, tls=tls,
     )
     undo_signals = _install_signal_handlers(stop)
     ready = asyncio.ensure_future(running.become_ready(load))

@@ -145,12 +145,13 @@ def test_parse_command_rejects_unknown_flags():
 def check_network_invocation(invocation: Invocation, name: str) -> None:
     assert invocation.module == MODULES[name]
     assert invocation.args.host == "0.0.0.0", f"{name} must bind all interfaces, not {invocation.args.host}"
+    assert invocation.args.metrics_host == "0.0.0.0", f"{name}'s metrics default to loopback: a scraper needs more"
 
 
 def check_orchestrator_invocation(invocation: Invocation) -> None:
     args = invocation.args
     assert invocation.module == "orchestrator.cli" and args.command == "serve"
-    assert (args.host, args.realtime_host) == ("0.0.0.0", "0.0.0.0")
+    assert (args.host, args.realtime_host, args.metrics_host) == ("0.0.0.0", "0.0.0.0", "0.0.0.0")
     assert not args.no_realtime and not args.in_process
 
 

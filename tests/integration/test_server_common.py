@@ -436,7 +436,7 @@ def test_cli_flags(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         cli.parse_args(parser, ["--model", str(tmp_path / "missing")])
     args = cli.parse_args(parser, ["--model", str(tmp_path), "--port", "0", "--log-level", "debug"])
-    assert (args.model, args.port, args.host, args.log_level) == (tmp_path, 0, "[::]", "DEBUG")
+    assert (args.model, args.port, args.host, args.log_level) == (tmp_path, 0, "127.0.0.1", "DEBUG")
     monkeypatch.setenv(cli.MODEL_ENV, str(tmp_path))
     assert cli.parse_args(cli.build_parser("svc", "test"), []).model == tmp_path
     assert args.cache_limit_mb is None

@@ -173,13 +173,13 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_flags_default_to_no_server_and_the_bind_host(monkeypatch):
+def test_flags_default_to_no_server_and_this_machine_only(monkeypatch):
     monkeypatch.delenv(METRICS_PORT_ENV, raising=False)
     args = parser().parse_args([])
-    assert args.metrics_port is None and args.metrics_host is None
-    assert start_from_args(Metrics("codec"), args, "127.0.0.1") is None
-    args = parser().parse_args(["--metrics-port", "0", "--host", "127.0.0.1"])
-    with start_from_args(Metrics("codec"), args, args.host) as server:
+    assert args.metrics_port is None and args.metrics_host == "127.0.0.1"
+    assert start_from_args(Metrics("codec"), args) is None
+    args = parser().parse_args(["--metrics-port", "0", "--host", "[::]"])  # the server on every interface
+    with start_from_args(Metrics("codec"), args) as server:  # its metrics still on loopback only
         assert server.host == "127.0.0.1" and server.port > 0
     args = parser().parse_args(["--metrics-port", "0", "--metrics-host", "localhost"])
     assert (args.metrics_port, args.metrics_host) == (0, "localhost")
