@@ -34,6 +34,7 @@ from orchestrator.connect import (
     add_connection_flags,
     connect,
     connection_from_args,
+    reconnected,
 )
 from orchestrator.latency import add_budget_flag
 from orchestrator.lockstep import FrameTicker
@@ -42,6 +43,7 @@ from orchestrator.profile import MonotonicClock
 from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, server_from_args
 from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import connect_streams
+from orchestrator.supervisor import Supervisor
 from orchestrator.text import TextDecoder
 from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
@@ -341,8 +343,10 @@ def serve(args: argparse.Namespace) -> int:
     metrics = Metrics("orchestrator", frame_budget_s=VoiceChatConfig.load(model).frame_duration,
                       latency_budget_s=args.latency_budget_s)
     exposition = start_from_args(metrics, args)  # bound before the services start: fails at once
+    children: list = []  # the services started here (none with --services or --in-process): supervised
     try:
-        with connect_streams(model, **connection_from_args(args)) as clients:
+        with connect_streams(model, **connection_from_args(args), children=children) as clients:
+            supervisor = Supervisor(children, connected=reconnected(clients)) if children else None
             realtime = None
             if not args.no_realtime:
                 factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined,
@@ -351,7 +355,8 @@ def serve(args: argparse.Namespace) -> int:
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                        realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
-                       metrics_server=exposition, runner=runner, ticker=ticker, api_key=args.api_key, tls=tls)
+                       metrics_server=exposition, runner=runner, ticker=ticker, api_key=args.api_key, tls=tls,
+                       supervisor=supervisor)
     finally:
         if exposition is not None:
             exposition.stop()

@@ -4,17 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import logging
 import re
 import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+
 from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients, local_clients
-from orchestrator.launcher import REPLICA, SERVICES, LaunchError, grpc_target, launched
+from orchestrator.launcher import REPLICA, SERVICES, LaunchError, ServiceProcess, grpc_target, launched
 from orchestrator.placement import check_environment, describe, parse_gpus, service_gpus
 from orchestrator.timeline import Clients
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Deadlines", "ServiceError", "add_deadline_flags", "connect", "deadlines_from_args", "parse_services"]
 
@@ -211,12 +217,12 @@ def connection_from_args(args: argparse.Namespace) -> dict:
 @contextlib.contextmanager
 def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str, list[str]] | None = None,
             mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
-            replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None
-            ) -> Iterator[dict[str, str]]:
+            replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None,
+            children: list[ServiceProcess] | None = None) -> Iterator[dict[str, str]]:
     """The four services' gRPC targets: the ones given, or children started here (from the main thread, with
     their extra `flags` and environment variables `envs`, `replicas[name]` processes of a service placed on
-    `gpus[name]`, under an MPS daemon of their own with `mps`) and stopped on exit. A client failure while a child
-    has died names that child."""
+    `gpus[name]`, under an MPS daemon of their own with `mps`; added to `children` when given) and stopped on
+    exit. A client failure while a child has died names that child."""
     if services:
         yield services
         return
@@ -224,17 +230,35 @@ def serving(model: Path, services: dict[str, str] | None = None, flags: dict[str
         print(describe(gpus, {name: (replicas or {}).get(name, 1) for name in SERVICES}), file=sys.stderr,
               flush=True)
     try:
-        with launched(model, flags=flags, mps=mps, envs=envs, replicas=replicas, gpus=gpus) as children:
+        with launched(model, flags=flags, mps=mps, envs=envs, replicas=replicas, gpus=gpus) as started:
+            if children is not None:
+                children.extend(child for group in started.values() for child in group)
             try:
-                yield {name: grpc_target(group) for name, group in children.items()}
+                yield {name: grpc_target(group) for name, group in started.items()}
             except ServiceError as exc:
-                dead = sorted({c.name for group in children.values() for c in group
+                dead = sorted({c.name for group in started.values() for c in group
                                if c.process.poll() is not None})
                 if dead:
                     raise ServiceError(f"{exc} (the {', '.join(dead)} service process exited)") from None
                 raise
     except LaunchError as exc:
         raise ServiceError(str(exc)) from None
+
+
+def reconnected(clients, timeout_s: float = 30.0):
+    """connected(name) for a Supervisor: waits (off the event loop) until these clients' channel to the service
+    `name` is connected again; a channel retries every 2 s at most (orchestrator.clients.Channel)."""
+    by_name = {"perception": clients.perception, "llm": clients.language, "tts": clients.speech,
+               "codec": clients.codec}
+
+    async def connected(name: str) -> None:
+        channel = by_name[name].channel.channel
+        try:
+            await asyncio.to_thread(grpc.channel_ready_future(channel).result, timeout_s)
+        except grpc.FutureTimeoutError:
+            log.warning("the channel to the %s service did not reconnect within %.0f s", name, timeout_s)
+
+    return connected
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from orchestrator.clients import ServiceError
 from orchestrator.latency import LatencyTracker
 from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import StreamClients
+from orchestrator.supervisor import Supervisor
 from orchestrator.text import TextDecoder
 from orchestrator.tools import Tool, parse_tools
 from protos.voicechat.v1 import conversation_pb2 as pb
@@ -162,6 +163,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.pipelined = pipelined
         self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
         self.draining = False  # set by drain(): new conversations are refused
+        self.unavailable: str | None = None  # why new conversations are refused while a service restarts
         self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
         self.metrics.track_sessions(lambda: self.live_sessions)
         self._ids = itertools.count(1)
@@ -214,6 +216,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 if self.draining:
                     yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE,
                                  "this server is shutting down; open the conversation on another instance")
+                    return
+                if self.unavailable is not None:
+                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, f"{self.unavailable}; try again shortly")
                     return
                 if self.live_sessions >= self.max_sessions:
                     yield _error(pb.ERROR_CODE_SERVER_BUSY,
@@ -390,11 +395,13 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
                realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
                metrics_server: MetricsServer | None = None, runner=None, ticker=None, api_key: str | None = None,
-               tls: Tls | None = None) -> None:
+               tls: Tls | None = None, supervisor: Supervisor | None = None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
     With `api_key` every call needs `authorization: Bearer KEY` metadata; with `tls` the port speaks TLS.
+    A `supervisor` of the services restarts one that dies; meanwhile health says NOT_SERVING and both front doors
+    refuse new conversations, naming the service.
 
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
@@ -402,23 +409,39 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics,
                                      runner=runner, ticker=ticker)
 
+    watching: list[asyncio.Task] = []
+
+    async def report(running: RunningServer, reason: str | None) -> None:
+        servicer.unavailable = reason
+        if realtime is not None:
+            realtime.unavailable = reason
+        await running.report(reason is None)
+
     def on_ready(running: RunningServer) -> None:
         announce(running)
         if metrics_server is not None:
             announce_metrics(metrics_server)
+        if supervisor is not None:
+            watching.append(asyncio.ensure_future(supervisor.run(lambda reason: report(running, reason))))
 
     async def drain(grace_s: float) -> None:
+        for task in watching:  # shutting down: a service that stops now is not restarted
+            task.cancel()
         waits = [servicer.drain(grace_s)] + ([realtime.drain(grace_s)] if realtime is not None else [])
         await asyncio.gather(*waits)
 
     async def main() -> None:
         options = dict(host=host, port=port, on_ready=on_ready, grace_s=drain_seconds, drain=drain,
                        metrics=servicer.metrics, api_key=api_key, tls=tls)
-        if realtime is None:
-            await serve(registrations(servicer), [SERVICE_NAME], **options)
-            return
-        async with realtime:
-            print(f"realtime on {realtime.url}", flush=True)
-            await serve(registrations(servicer), [SERVICE_NAME], **options)
+        try:
+            if realtime is None:
+                await serve(registrations(servicer), [SERVICE_NAME], **options)
+                return
+            async with realtime:
+                print(f"realtime on {realtime.url}", flush=True)
+                await serve(registrations(servicer), [SERVICE_NAME], **options)
+        finally:
+            for task in watching:
+                task.cancel()
 
     asyncio.run(main())

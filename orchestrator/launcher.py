@@ -41,9 +41,31 @@ class ServiceProcess:
     address: str = ""
     metrics_url: str = ""  # http://HOST:PORT/metrics once announced, when started with --metrics-port
     log: list[str] = field(default_factory=list)  # the child's stderr, kept for error messages
+    command: list[str] = field(default_factory=list)  # how it was started, to start it again
+    env: dict[str, str] = field(default_factory=dict)
+    port: str = ""  # the port it served on, once it has: its restarts bind that one again
 
     def tail(self, lines: int = 5) -> str:
         return "\n".join(self.log[-lines:])
+
+    def restart(self) -> None:
+        """Start the service again in place of this (dead) process, on the port it had, so the clients' channels
+        to that address reconnect by themselves. `address` is empty until the new process says it serves."""
+        if self.address:
+            self.port = self.address.rpartition(":")[2]
+        self.process = _popen([*self.command, "--port", self.port or "0"], self.env)
+        self.address = ""
+        _watch(self)
+
+
+def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _watch(child: ServiceProcess) -> None:
+    """Keep the child's stderr in child.log and read its ready line into child.address."""
+    threading.Thread(target=_drain, args=(child.process.stderr, child.log), daemon=True).start()
+    threading.Thread(target=_read_ready, args=(child, child.process.stdout), daemon=True).start()
 
 
 def _drain(stream, sink: list[str]) -> None:
@@ -66,21 +88,18 @@ def spawn_service(name: str, model: Path, extra: list[str] | None = None,
     # abort it; without one the child is spawned directly and arranges its own death with this process.
     environment = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())}
     environment.pop(METRICS_PORT_ENV, None)  # meant for this process: four children cannot all bind one port
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=environment)
-    child = ServiceProcess(name, process)
-    threading.Thread(target=_drain, args=(process.stderr, child.log), daemon=True).start()
-    threading.Thread(target=_read_ready, args=(child,), daemon=True).start()
+    child = ServiceProcess(name, _popen(command, environment), command=command, env=environment)
+    _watch(child)
     return child
 
 
-def _read_ready(child: ServiceProcess) -> None:
-    for line in child.process.stdout:
+def _read_ready(child: ServiceProcess, stdout) -> None:
+    for line in stdout:
         parsed = parse_ready_line(line)
         if parsed:
             child.address = f"{parsed[0]}:{parsed[1]}"
             break
-    for line in child.process.stdout:  # keep the pipe drained
+    for line in stdout:  # keep the pipe drained
         url = parse_metrics_line(line)
         if url:
             child.metrics_url = url

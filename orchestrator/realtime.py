@@ -353,6 +353,7 @@ class RealtimeServer:
         self.tls = tls
         self.live_sessions = 0  # connections holding a slot; touched only on the event loop
         self.draining = False  # set by drain(): upgrades are refused with 503
+        self.unavailable: str | None = None  # why upgrades are refused (503) while a service restarts
         self._connections: set[_Connection] = set()
         self.metrics = metrics or Metrics("orchestrator")
         self.metrics.frame_budget_s = factory.frame_samples / factory.input_sample_rate
@@ -425,6 +426,8 @@ class RealtimeServer:
             return web.file_response(connection, page)
         if route != self.path:
             return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint; the realtime socket is {self.path}\n")
+        if self.unavailable is not None:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{self.unavailable}; try again shortly\n")
         if self.api_key is not None and not (self._has_key(request) or self._redeems_token(request)):
             return _unauthorized(connection, "missing or wrong API key: send `Authorization: Bearer <key>`, or "
                                              f"offer a token from POST {self.prefix + SESSIONS_PATH} as the "

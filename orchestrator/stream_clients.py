@@ -352,10 +352,11 @@ class LocalEngines:
 def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
                     deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
                     mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
-                    replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None
-                    ) -> Iterator[StreamClients]:
-    """Stream clients to the four services: started here as children (the default), already running
-    (`services`), or the engines in this process. Call from the main thread (children die with it)."""
+                    replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None,
+                    children: list | None = None) -> Iterator[StreamClients]:
+    """Stream clients to the four services: started here as children (the default; listed in `children` when
+    given, for a supervisor), already running (`services`), or the engines in this process. Call from the main
+    thread (children die with it)."""
     from orchestrator.connect import serving
 
     if in_process:
@@ -365,7 +366,7 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_p
         finally:
             engines.close()
         return
-    with serving(model, services, flags, mps, envs, replicas, gpus) as addresses:
+    with serving(model, services, flags, mps, envs, replicas, gpus, children) as addresses:
         clients = grpc_stream_clients(addresses, deadlines)
         try:
             yield clients

@@ -231,6 +231,11 @@ class RunningServer:
     async def set_serving(self, serving: bool) -> None:
         """Open (or close) the services and report SERVING (NOT_SERVING) for "" and every service name."""
         self._gate.open = serving
+        await self.report(serving)
+
+    async def report(self, serving: bool) -> None:
+        """Report SERVING (NOT_SERVING) for "" and every service name, the services staying open: for a server
+        whose calls answer for themselves while something it needs is down."""
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
