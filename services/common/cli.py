@@ -108,10 +108,12 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--precompile-batches",
         type=int,
-        default=0,
+        default=1,
         metavar="N",
-        help="at load, run throwaway steps at every batch size 1..N (at most --max-batch) so no client frame waits "
-        "for a size's first compilation; worth it on a GPU, where that takes long (default 0: compile on first use)",
+        help="before health says SERVING, run throwaway steps at every batch size 1..N (at most --max-batch) so no "
+        "client frame waits for a size's first compilation, which on a cold GPU outlasts the orchestrator's "
+        "per-frame deadline (default 1: a lone conversation never compiles; 16 for 16 batched conversations; 0 "
+        "compiles on first use)",
     )
     parser.add_argument(
         "--cache-limit-mb",
