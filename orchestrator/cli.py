@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.audio import AudioError, check_writable, read_audio, write_wav
+from orchestrator.clients import MAX_MESSAGE_BYTES
 from orchestrator.connect import (
     ServiceError,
     UsageError,
@@ -183,8 +184,32 @@ def prepare_turn(args: argparse.Namespace) -> tuple[Path, VoiceChatConfig, np.nd
     return model, config, waveform, TextDecoder(model, config)
 
 
+def offline_max_seconds(config: VoiceChatConfig, limit_bytes: int = MAX_MESSAGE_BYTES) -> float:
+    """The longest input (decoding silence included) one offline turn carries over gRPC: its perception call
+    sends the whole waveform (float32) and gets back every frame's encoder output and embedding and every mel
+    frame (float32), and each message must fit `limit_bytes`. 5% is left for the messages' framing."""
+    audio = config.audio_config
+    frame = config.input_frame_samples
+    request = frame * 4
+    reply = (audio.encoder.d_model + config.text_config.hidden_size
+             + frame / audio.preprocessor.hop_length * audio.preprocessor.features) * 4
+    return 0.95 * limit_bytes / max(request, reply) * config.frame_duration
+
+
+def check_offline_length(args: argparse.Namespace, config: VoiceChatConfig, waveform: np.ndarray) -> None:
+    """UsageError before any work when the input is past what one offline turn carries over gRPC."""
+    seconds = len(waveform) / config.input_sample_rate
+    limit = offline_max_seconds(config)
+    if not args.in_process and seconds > limit:
+        raise UsageError(f"{args.input}: {seconds / 60:.1f} min of audio (with the decoding silence) is past the "
+                         f"{limit / 60:.1f} min one offline turn carries over gRPC with this checkpoint (its "
+                         f"perception call would pass the {MAX_MESSAGE_BYTES >> 20} MiB message limit); use "
+                         "`orchestrator stream` for longer audio, split the input, or pass --in-process")
+
+
 def offline(args: argparse.Namespace) -> int:
     model, config, waveform, decoder = prepare_turn(args)
+    check_offline_length(args, config, waveform)
     prompt = config.default_system_prompt if args.system_prompt is None else args.system_prompt
     with connect(model, **connection_from_args(args)) as clients:
         result = run_offline(clients, waveform, system_prompt=prompt, seed=args.seed)

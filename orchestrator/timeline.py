@@ -6,7 +6,9 @@ over gRPC and in-process. The semantics are the reference's offline turn, with p
     position p = 0 .. P+F-1   (P system-prompt positions, then F audio frames)
     language:  fused input E(text[p-1]) + audio[p] + 2 E(function[p-1]); outputs forced to pad over the prefix
     speech:    one step per position from 1 on (prefix included, fed pad); none at position 0
-    codec:     the frames' codes with control codes replaced by per-codebook silence, decoded whole
+    codec:     the frames' codes with control codes replaced by per-codebook silence, decoded in chunks of
+               DECODE_CHUNK_FRAMES (each with a little context either side), which give the whole decode's samples
+               with memory that does not grow with the turn's length
 """
 
 from __future__ import annotations
@@ -109,6 +111,30 @@ def replace_control_codes(codes: np.ndarray, info: SpeechInfo) -> np.ndarray:
     return np.where(np.isin(codes, info.control_codes), silence, codes)
 
 
+# Code frames (80 ms each) one offline Decode call carries: the codec service's memory stays bounded whatever the
+# turn's length (a whole 2-minute decode grew it to 3.26 GB), and every call is under its --max-frames (4096).
+DECODE_CHUNK_FRAMES = 32
+# Frames decoded with each chunk and dropped, so its samples equal the whole decode's: the decoder's causal
+# convolutions reach 18 samples back at 9x, 63x and 441x the frame rate (2.3 frames), the inverse STFT 8 samples.
+DECODE_LEFT_FRAMES = 4
+DECODE_RIGHT_FRAMES = 1
+
+
+def decode_chunked(codec: CodecClient, codes: np.ndarray, chunk: int | None = None) -> np.ndarray:
+    """codes (F, Q) -> (F * 1764,) float32: `chunk` frames (default DECODE_CHUNK_FRAMES) a Decode call, each
+    decoded with DECODE_LEFT_FRAMES before it and DECODE_RIGHT_FRAMES after it whose samples are dropped."""
+    chunk = chunk or DECODE_CHUNK_FRAMES
+    frames = codes.shape[0]
+    pieces = []
+    for start in range(0, max(frames, 1), chunk):
+        stop = min(start + chunk, frames)
+        first, last = max(start - DECODE_LEFT_FRAMES, 0), min(stop + DECODE_RIGHT_FRAMES, frames)
+        audio = codec.decode(codes[first:last])
+        per_frame = len(audio) // max(last - first, 1)
+        pieces.append(audio[(start - first) * per_frame : (stop - first) * per_frame])
+    return np.concatenate(pieces)
+
+
 def append_silence(waveform: np.ndarray, seconds: float, sample_rate: int) -> np.ndarray:
     if seconds < 0:
         raise ValueError(f"extra decoding seconds must be non-negative, got {seconds}")
@@ -152,7 +178,7 @@ def run_offline(clients: Clients, waveform: np.ndarray, *, system_prompt: str = 
         language.close()
         speech.close()
     codes = replace_control_codes(raw, info)
-    audio = clients.codec.decode(codes)
+    audio = decode_chunked(clients.codec, codes)
     lap("codec")
     embeds = np.concatenate([language.prompt_embeds, perceived.audio_embeds]) if prefix else perceived.audio_embeds
     return OfflineResult(
