@@ -47,7 +47,7 @@ from orchestrator.text import TextDecoder, TokenAccumulator
 from orchestrator.timeline import SpeechInfo, replace_control_codes
 from orchestrator.tools import MAX_TOOLS, CallEvent, Tool, ToolChannel, check_distinct, render_system_prompt
 from services.common.config import VoiceChatConfig
-from services.perception.rnnt import is_special_piece
+from services.perception.vocabulary import is_special_piece, load_vocabulary
 
 EVENT_KINDS = ("user_transcript_delta", "assistant_text_delta", "function_delta", "function_call_delta",
                "function_call_done", "function_call_error", "function_call_output", "audio", "done", "cancelled",
@@ -131,9 +131,7 @@ class _Failure:
 
 def transcript_vocabulary(model_dir: str | Path, config: VoiceChatConfig) -> list[str]:
     """The RNNT pieces, to tell which emissions extend the transcript (specials and language tags do not)."""
-    from services.perception.engine import _vocabulary
-
-    return _vocabulary(config, Path(model_dir))
+    return load_vocabulary(config, model_dir)
 
 
 class OnlineSession:

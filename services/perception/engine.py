@@ -11,7 +11,6 @@ No gRPC here; all calls of one engine must come from one thread (MLX evaluation 
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ from services.perception.rnnt import (
     JointNetwork,
     PredictionNetwork,
     RNNTState,
-    pieces_to_text,
 )
 from services.perception.streaming import EncoderStream, begin_stacked, padding_mask
+from services.perception.vocabulary import load_vocabulary, pieces_to_text
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
 
@@ -70,18 +69,6 @@ class StreamFrame:
 
     def __iter__(self):  # (audio_embedding, transcript_delta, transcript), the tuple
         return iter((self.audio_embedding, self.transcript_delta, self.transcript))
-
-
-def _vocabulary(config: VoiceChatConfig, model_dir: Path) -> list[str]:
-    if config.rnnt_vocabulary:
-        return list(config.rnnt_vocabulary)
-    path = model_dir / "rnnt_tokenizer" / "vocab.json"
-    if not path.is_file():
-        return []
-    data = json.loads(path.read_text())
-    if isinstance(data, dict):  # piece -> id
-        return [piece for piece, _ in sorted(data.items(), key=lambda kv: kv[1])]
-    return list(data)
 
 
 def check_waveform(samples: np.ndarray | mx.array, sample_rate_hz: int, expected_rate: int) -> mx.array:
@@ -167,7 +154,7 @@ class PerceptionEngine:
         prediction = PredictionNetwork.from_weights(weights, "stt_model.rnnt_decoder", audio.decoder.pred_rnn_layers,
                                                     audio.decoder.pred_hidden)
         joint = JointNetwork.from_weights(weights, "stt_model.rnnt_joint", audio.joint.activation)
-        rnnt = RNNT(prediction, joint, _vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
+        rnnt = RNNT(prediction, joint, load_vocabulary(config, model_dir), config.rnnt_blank_id, audio.max_symbols)
         if options.split_matmuls:
             route_split_matmuls([encoder, proj, joint], model_dir)
         if options.float32_weights:

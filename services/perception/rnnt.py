@@ -1,4 +1,4 @@
-"""RNNT transcript branch: LSTM prediction network, joint network, greedy decoding, piece decoding.
+"""RNNT transcript branch: LSTM prediction network, joint network, greedy decoding (pieces -> text: vocabulary.py).
 
 Greedy per encoder frame: predict from the last emitted token (zeros while it is blank), join with the frame,
 take the argmax; blank ends the frame, anything else is emitted and advances the predictor, at most
@@ -9,32 +9,13 @@ predictor but are not part of the text.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from services.common.checkpoint import Weights
 from services.common.layers import Embedding, Linear
-
-_LANG_TAG = re.compile(r"^<[a-z]{2,3}-[A-Za-z]{2,4}>$")
-_SPECIAL = frozenset({"<unk>", "<pad>", "<s>", "</s>"})
-WORD_START = "\u2581"  # SentencePiece's word-start mark
-
-
-def is_special_piece(piece: str) -> bool:
-    """`is_special_piece("<en-US>") is True`; `is_special_piece("▁the") is False`."""
-    return piece in _SPECIAL or bool(_LANG_TAG.match(piece))
-
-
-def _join(ids: list[int], vocabulary: list[str]) -> str:
-    parts = [vocabulary[i] for i in ids if 0 <= i < len(vocabulary)]
-    return "".join(p.replace(WORD_START, " ") for p in parts if not is_special_piece(p))
-
-
-def pieces_to_text(ids: list[int], vocabulary: list[str]) -> str:
-    """Join pieces with `▁` as a space, dropping specials and out-of-range ids: [▁the, re] -> "there"."""
-    return _join(ids, vocabulary).strip()
+from services.perception.vocabulary import is_special_piece, join_pieces
 
 
 @dataclass
@@ -327,7 +308,7 @@ class RNNT:
         """Refresh `state.text` after a frame's emissions (state.token_ids[before:]); returns the delta."""
         if len(state.token_ids) == before:
             return ""
-        state.joined += _join(state.token_ids[before:], self.vocabulary)
+        state.joined += join_pieces(state.token_ids[before:], self.vocabulary)
         text = state.joined.strip()
         delta = text[len(state.text) :] if text.startswith(state.text) else text
         state.text = text

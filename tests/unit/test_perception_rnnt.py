@@ -10,9 +10,8 @@ from services.perception.rnnt import (
     JointNetwork,
     LSTMLayer,
     PredictionNetwork,
-    is_special_piece,
-    pieces_to_text,
 )
+from services.perception.vocabulary import is_special_piece, pieces_to_text
 
 H = 4
 VOCAB = ["<unk>", "<en-US>", "\u2581hel", "lo", "\u2581world", "<pad>"]
