@@ -20,12 +20,15 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
 import numpy as np
 
 from services.common.config import ConfigError, QuantSpec, VoiceChatConfig
 from services.common.safetensors_io import MappedFile, SafetensorsError, TensorInfo, read_header
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
 class CheckpointError(ValueError):
@@ -38,13 +41,19 @@ _CODEC_LAYER = re.compile(r"^tts_model\.audio_codec\.(?P<part>encoder|decoder)\.
 
 
 def _to_mlx(array: np.ndarray, dtype: str) -> mx.array:
+    import mlx.core as mx
+
     if dtype == "BF16":
         return mx.array(array).view(mx.bfloat16)
     return mx.array(array)
 
 
 class Checkpoint:
-    """A checkpoint folder: `config.json`, `model*.safetensors` (+ index), tokenizer files."""
+    """A checkpoint folder: `config.json`, `model*.safetensors` (+ index), tokenizer files.
+
+    Opening one reads only `config.json` and the shards' headers, without MLX (the orchestrator checks a
+    `--model` folder this way); MLX is imported when tensors are read.
+    """
 
     def __init__(self, model_dir: str | Path):
         self.path = Path(model_dir).expanduser()
@@ -251,9 +260,13 @@ class Weights:
     def quantized_modules(self) -> list[str]:
         return [key[: -len(".scales")] for key in self.arrays if key.endswith(".scales")]
 
-    def dequantized(self, dtype: mx.Dtype = mx.bfloat16) -> Weights:
-        """Every quantized module as a dense `dtype` weight (`mx.dequantize`, as the reference's dequantizer
-        computes it): on a GPU with memory to spare, dense matmuls batch across sessions where 4-bit ones do not."""
+    def dequantized(self, dtype: mx.Dtype | None = None) -> Weights:
+        """Every quantized module as a dense `dtype` (default bfloat16) weight (`mx.dequantize`, as the reference's
+        dequantizer computes it): on a GPU with memory to spare, dense matmuls batch across sessions where 4-bit
+        ones do not."""
+        import mlx.core as mx
+
+        dtype = mx.bfloat16 if dtype is None else dtype
         arrays = dict(self.arrays)
         for module in self.quantized_modules():
             spec = self.quant_spec(module)
