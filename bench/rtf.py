@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.reference_driver import question_padded
-from orchestrator.clients import local_clients
 from orchestrator.connect import parse_service_env, parse_service_flags, service_envs, service_flags
+from orchestrator.local import local_clients
 from orchestrator.timeline import run_offline
 from services.common.loading import keep_float32_matmuls
 

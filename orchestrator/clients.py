@@ -1,7 +1,5 @@
-"""The timeline's clients, twice: over gRPC, and with the engines called in this process.
-
-Both return the same numpy arrays (the wire carries raw bytes in the producer's dtype), so a turn gives
-byte-identical results either way; the in-process pair exists for tests and to measure what gRPC costs.
+"""The timeline's clients over gRPC: numpy arrays in, numpy arrays out (the wire carries raw bytes in the
+producer's dtype). Their in-process twins, which call the engines, are in orchestrator/local.py.
 """
 
 from __future__ import annotations
@@ -10,10 +8,8 @@ import json
 import queue
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
-import mlx.core as mx
 import numpy as np
 
 from orchestrator.pending import Pending
@@ -340,99 +336,3 @@ def close_clients(clients: Clients) -> None:
         channel = getattr(client, "channel", None)
         if channel is not None:
             channel.close()
-
-
-# ------------------------------------------------------------------------------------------ in-process
-
-
-def _np(array: mx.array) -> np.ndarray:
-    return np.array(array)
-
-
-class LocalPerception:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def encode(self, waveform: np.ndarray) -> PerceptionResult:
-        out = self.engine.encode(waveform.astype(np.float32))
-        return PerceptionResult(_np(out.mel), _np(out.encoder_out), _np(out.audio_embeds), out.transcript,
-                                np.array(out.token_ids, dtype=np.int32))
-
-
-@dataclass
-class LocalLanguageSession:
-    engine: object
-    session: object
-    prompt_positions: int
-    prompt_embeds: np.ndarray
-
-    def step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> tuple[int, int]:
-        if forced_function is not None:
-            self.session.force_function(forced_function)
-        out = self.session.step(mx.array(audio_embedding))
-        return out.text_id, out.function_id
-
-    def send_step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> Pending[tuple[int, int]]:
-        return Pending.answered(self.step(audio_embedding, forced_function))
-
-    def close(self) -> None:
-        self.engine.close_session(self.session)
-
-
-class LocalLanguage:
-    def __init__(self, engine, prefix_dtype: str = "float32"):
-        self.engine, self.prefix_dtype = engine, prefix_dtype
-
-    def open(self, system_prompt: str) -> LocalLanguageSession:
-        session = self.engine.open_session(system_prompt, prefix_dtype=self.prefix_dtype)
-        embeds = (np.array(session.prompt_embeds.astype(mx.float32)) if session.prompt_embeds is not None
-                  else np.zeros((0, self.engine.hidden_size), np.float32))
-        return LocalLanguageSession(self.engine, session, session.prompt_positions, embeds)
-
-
-@dataclass
-class LocalSpeechSession:
-    session: object
-
-    def step(self, text_id: int) -> np.ndarray:
-        return self.session.step(text_id)[0]
-
-    def send_step(self, text_id: int) -> Pending[np.ndarray]:
-        return Pending.answered(self.step(text_id))
-
-    def close(self) -> None:
-        pass
-
-
-class LocalSpeech:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def info(self) -> SpeechInfo:
-        e = self.engine
-        return SpeechInfo(e.prompt_frames, e.num_quantizers, tuple(np.array(e.control_codes).tolist()),
-                          tuple(np.array(e.silence_codes).tolist()))
-
-    def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> LocalSpeechSession:
-        return LocalSpeechSession(self.engine.open_session(seed, prompt_codes, prefix_steps))
-
-
-class LocalCodec:
-    def __init__(self, engine):
-        self.engine = engine
-
-    def prompt_codes(self, frames: int) -> np.ndarray:
-        return self.engine.encode_prompt_codes(frames)
-
-    def decode(self, codes: np.ndarray) -> np.ndarray:
-        return self.engine.decode(codes)
-
-
-def local_clients(model: Path) -> Clients:
-    from services.codec.engine import CodecEngine
-    from services.llm.engine import LanguageEngine
-    from services.perception.engine import PerceptionEngine
-    from services.tts.engine import TTSEngine
-
-    return Clients(LocalPerception(PerceptionEngine.load(model)), LocalLanguage(LanguageEngine.load(model)),
-                   LocalSpeech(TTSEngine.load(model)), LocalCodec(CodecEngine.load(model)))

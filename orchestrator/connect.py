@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients, local_clients
+from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients
 from orchestrator.launcher import REPLICA, SERVICES, LaunchError, ServiceProcess, grpc_target, launched
 from orchestrator.placement import check_environment, describe, parse_gpus, service_gpus
 from orchestrator.timeline import Clients
@@ -268,6 +268,8 @@ def connect(model: Path, *, services: dict[str, str] | None = None, in_process: 
             replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None) -> Iterator[Clients]:
     """Clients for the offline turn."""
     if in_process:
+        from orchestrator.local import local_clients  # MLX and the engines, only when asked for
+
         yield local_clients(model)
         return
     with serving(model, services, flags, mps, envs, replicas, gpus) as addresses:

@@ -1,14 +1,13 @@
-"""The online session's clients: one stream per service and session, over gRPC or with the engines in-process.
+"""The online session's clients: one stream per service and session, over gRPC or with the engines in-process
+(orchestrator/local.py, imported only then).
 
-    clients = grpc_stream_clients(addresses)          # or LocalEngines.load(model).clients()
+    clients = grpc_stream_clients(addresses)          # or orchestrator.local.LocalEngines(model).clients()
     perception = clients.perception.open()            # perception.push(frame_1280) -> PerceivedFrame
     language = clients.language.open(prompt)          # bfloat16 prompt rows, as the reference's online session
     speech = clients.speech.open(seed, prompt_codes, max(language.prompt_positions - 1, 0))
     codec = clients.codec.open_stream()               # codec.decode(clean_codes_31) -> (1764,) float32
 
-Both kinds return numpy arrays the producer has already evaluated, so timing a call times its stage. The
-in-process engines each live on their own EngineThread (MLX evaluation is thread-affine), so a pipelined
-session may call them from any thread.
+Both kinds return numpy arrays the producer has already evaluated, so timing a call times its stage.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import mlx.core as mx
 import numpy as np
 
 from orchestrator.clients import (
@@ -27,15 +25,12 @@ from orchestrator.clients import (
     Deadlines,
     GrpcLanguage,
     GrpcSpeech,
-    LocalLanguageSession,
-    LocalSpeech,
     PromptCodes,
 )
 from orchestrator.failover import DEFAULT_FAILOVER, FailoverPolicy
 from orchestrator.pending import Pending
-from orchestrator.timeline import LanguageClient, SpeechClient, SpeechInfo
+from orchestrator.timeline import LanguageClient, SpeechClient
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, language_pb2, perception_pb2, perception_pb2_grpc
-from services.common.engine_thread import EngineThread
 from services.common.tensors import from_proto_np, to_proto_np
 
 
@@ -177,177 +172,6 @@ def grpc_stream_clients(addresses: dict[str, str], deadlines: Deadlines | None =
     return clients
 
 
-# ------------------------------------------------------------------------------------------ in-process
-
-
-class _OnThread:
-    """Calls an object's methods on one EngineThread (results are numpy, evaluated there): `call` waits for
-    the result, `send` queues the call and returns its Pending result (the thread runs calls in order)."""
-
-    def __init__(self, thread: EngineThread):
-        self.thread = thread
-
-    def call(self, fn, *args):
-        return self.thread.submit_sync(fn, *args)
-
-    def send(self, fn, *args) -> Pending:
-        return Pending(self.thread.submit(fn, *args).result)
-
-
-class LocalPerceptionStream(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.stream = self.call(engine.open_stream)
-
-    def push(self, frame: np.ndarray) -> PerceivedFrame:
-        return self.send_push(frame).result()
-
-    def send_push(self, frame: np.ndarray) -> Pending[PerceivedFrame]:
-        stream = self.stream
-
-        def run() -> PerceivedFrame:
-            out = stream.push(frame.astype(np.float32))
-            return PerceivedFrame(np.array(out.audio_embedding), np.array(out.encoder_out), out.transcript_delta,
-                                  out.transcript, list(out.token_ids))
-
-        return self.send(run)
-
-    def close(self) -> None:
-        self.stream = None
-
-
-class LocalPerceptionStreams(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.engine = engine
-
-    def open(self) -> LocalPerceptionStream:
-        return LocalPerceptionStream(self.thread, self.engine)
-
-
-class _ThreadedLanguageSession(_OnThread):
-    def __init__(self, thread: EngineThread, session: LocalLanguageSession):
-        super().__init__(thread)
-        self.session = session
-        self.prompt_positions = session.prompt_positions
-        self.prompt_embeds = session.prompt_embeds
-
-    def step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> tuple[int, int]:
-        return self.call(self.session.step, audio_embedding, forced_function)
-
-    def send_step(self, audio_embedding: np.ndarray, forced_function: int | None = None) -> Pending[tuple[int, int]]:
-        return self.send(self.session.step, audio_embedding, forced_function)
-
-    def close(self) -> None:
-        self.call(self.session.close)
-
-
-class LocalStreamLanguage(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.engine = engine
-
-    def open(self, system_prompt: str) -> _ThreadedLanguageSession:
-        def run() -> LocalLanguageSession:
-            session = self.engine.open_session(system_prompt, prefix_dtype="bfloat16")
-            embeds = (np.array(session.prompt_embeds.astype(mx.float32)) if session.prompt_embeds is not None
-                      else np.zeros((0, self.engine.hidden_size), np.float32))
-            return LocalLanguageSession(self.engine, session, session.prompt_positions, embeds)
-
-        return _ThreadedLanguageSession(self.thread, self.call(run))
-
-
-class _ThreadedSpeechSession(_OnThread):
-    def __init__(self, thread: EngineThread, session):
-        super().__init__(thread)
-        self.session = session
-
-    def step(self, text_id: int) -> np.ndarray:
-        return self.send_step(text_id).result()
-
-    def send_step(self, text_id: int) -> Pending[np.ndarray]:
-        session = self.session
-        return self.send(lambda: session.step(text_id)[0])
-
-    def close(self) -> None:
-        self.session = None
-
-
-class LocalStreamSpeech(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.speech = LocalSpeech(engine)
-
-    def info(self) -> SpeechInfo:
-        return self.call(self.speech.info)
-
-    def open(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int) -> _ThreadedSpeechSession:
-        session = self.call(self.speech.engine.open_session, seed, prompt_codes, prefix_steps)
-        return _ThreadedSpeechSession(self.thread, session)
-
-
-class LocalCodecStream(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.stream = engine.open_stream()
-        self.frame = 0
-
-    def decode(self, codes: np.ndarray) -> np.ndarray:
-        return self.send_decode(codes).result()
-
-    def send_decode(self, codes: np.ndarray) -> Pending[np.ndarray]:
-        pending = self.send(self.stream.decode_frame, self.frame, codes)
-        self.frame += 1
-        return pending
-
-    def close(self) -> None:
-        self.stream = None
-
-
-class LocalCodecStreams(_OnThread):
-    def __init__(self, thread: EngineThread, engine):
-        super().__init__(thread)
-        self.engine = engine
-
-    def prompt_codes(self, frames: int) -> np.ndarray:
-        return self.call(self.engine.encode_prompt_codes, frames)
-
-    def open_stream(self) -> LocalCodecStream:
-        return LocalCodecStream(self.thread, self.engine)
-
-
-class LocalEngines:
-    """The four engines in this process, each loaded on and driven from its own EngineThread."""
-
-    NAMES = ("perception", "llm", "tts", "codec")
-
-    def __init__(self, model: Path):
-        from services.codec.engine import CodecEngine
-        from services.llm.engine import LanguageEngine
-        from services.perception.engine import PerceptionEngine
-        from services.tts.engine import TTSEngine
-
-        loaders = {"perception": PerceptionEngine.load, "llm": LanguageEngine.load, "tts": TTSEngine.load,
-                   "codec": CodecEngine.load}
-        self.threads = {name: EngineThread(name=f"{name}-engine") for name in self.NAMES}
-        futures = {name: self.threads[name].submit(loaders[name], model) for name in self.NAMES}
-        try:
-            self.engines = {name: future.result() for name, future in futures.items()}
-        except BaseException:
-            self.close()
-            raise
-
-    def clients(self) -> StreamClients:
-        t, e = self.threads, self.engines
-        return StreamClients(LocalPerceptionStreams(t["perception"], e["perception"]),
-                             LocalStreamLanguage(t["llm"], e["llm"]), LocalStreamSpeech(t["tts"], e["tts"]),
-                             LocalCodecStreams(t["codec"], e["codec"]))
-
-    def close(self) -> None:
-        for thread in self.threads.values():
-            thread.close()
-
-
 @contextlib.contextmanager
 def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_process: bool = False,
                     deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
@@ -360,6 +184,8 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_p
     from orchestrator.connect import serving
 
     if in_process:
+        from orchestrator.local import LocalEngines  # MLX and the engines, only when asked for
+
         engines = LocalEngines(model)
         try:
             yield engines.clients()

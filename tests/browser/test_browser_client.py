@@ -35,8 +35,8 @@ from websockets.asyncio.server import serve
 
 from orchestrator import web
 from orchestrator.audio import read_audio
+from orchestrator.local import LocalEngines
 from orchestrator.realtime import OnlineSessionFactory, RealtimeServer
-from orchestrator.stream_clients import LocalEngines
 from tests.conftest import QUESTION_WAV, ROOT
 
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))

@@ -17,8 +17,8 @@ import pytest
 
 from orchestrator.clients import GrpcLanguage
 from orchestrator.conversation import SERVICE_NAME, ConversationServicer, registrations
+from orchestrator.local import LocalEngines
 from orchestrator.realtime import OnlineSessionFactory, RealtimeServer
-from orchestrator.stream_clients import LocalEngines
 from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc, language_pb2
 from services.common.server import start_server

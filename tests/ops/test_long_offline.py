@@ -11,7 +11,7 @@ import soundfile as sf
 from orchestrator import cli, timeline
 from orchestrator.audio import read_audio
 from orchestrator.cli import offline_max_seconds
-from orchestrator.clients import local_clients
+from orchestrator.local import local_clients
 from orchestrator.timeline import DECODE_LEFT_FRAMES, DECODE_RIGHT_FRAMES, decode_chunked, run_offline
 from services.codec.engine import CodecEngine
 from services.common.config import VoiceChatConfig

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from orchestrator.local import LocalEngines
 from orchestrator.session import OnlineSession, transcript_vocabulary
-from orchestrator.stream_clients import LocalEngines
 from orchestrator.text import TextDecoder
 from services.common.config import VoiceChatConfig
 from tests.conftest import load_golden

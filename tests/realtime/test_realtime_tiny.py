@@ -14,8 +14,8 @@ import pytest
 import soundfile as sf
 
 from orchestrator.audio import read_audio
+from orchestrator.local import LocalEngines
 from orchestrator.realtime import OnlineSessionFactory, RealtimeServer
-from orchestrator.stream_clients import LocalEngines
 from tests.conftest import QUESTION_WAV, ROOT
 from tests.realtime.fakes import Client, pcm16_b64, wait_for
 

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
+from orchestrator.local import LocalEngines
 from orchestrator.session import OnlineSession
-from orchestrator.stream_clients import LocalEngines
 from orchestrator.text import TextDecoder
 from orchestrator.tool_runner import ToolRunner
 from orchestrator.tools import Tool, render_system_prompt
