@@ -120,6 +120,16 @@ class _Frame:
     ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One service's step of every frame: `send(frame)` hands the frame's request to the service (a Pending
+    answer), `take(frame, answer)` stores the answer in the frame. `name` keys the frame's time (profile.py)."""
+
+    name: str
+    send: Callable[[_Frame], Pending]
+    take: Callable[[_Frame, object], None]
+
+
 _STOP = object()
 
 
@@ -191,6 +201,12 @@ class OnlineSession:
             self._close_streams()
             raise
         self._silence = np.asarray(self.info.silence_codes, np.int32)
+        # a frame's time in a stage runs from when the service could start on it (its request sent and the stage's
+        # previous answer back) to its answer
+        self.stages = (Stage("perception", self._send_perception, self._take_perception),
+                       Stage("language", self._send_language, self._take_language),
+                       Stage("tts", self._send_speech, self._take_speech),
+                       Stage("codec", self._send_codec, self._take_codec))
         if pipelined:
             self._start_workers()
 
@@ -339,10 +355,10 @@ class OnlineSession:
         self.close()
 
     # ------------------------------------------------------------------------------------------- stages
-    # Each stage is a pair: `send` hands the frame's request to the stage's service (a Pending answer), `take`
-    # stores the answer in the frame. The pipelined mode sends a frame's request as soon as the frame reaches
-    # the stage, up to `send_ahead` frames before their answers are taken, so the service has its next request
-    # when it finishes one: no round trip between a stage's frames.
+    # Each Stage of `self.stages` pairs two of these: `send` hands the frame's request to the stage's service (a
+    # Pending answer), `take` stores the answer in the frame. The pipelined mode sends a frame's request as soon as
+    # the frame reaches the stage, up to `send_ahead` frames before their answers are taken, so the service has its
+    # next request when it finishes one: no round trip between a stage's frames.
 
     def _send_perception(self, f: _Frame) -> Pending:
         return self.perception.send_push(f.samples)
@@ -375,13 +391,6 @@ class OnlineSession:
     def _take_codec(self, f: _Frame, audio: np.ndarray) -> None:
         f.audio = audio
         self._finish(f)
-
-    # (profile name, send, take); a frame's time in a stage runs from when the service could start on it (its
-    # request sent and the stage's previous answer back) to its answer
-    STAGES = (("perception", "_send_perception", "_take_perception"),
-              ("language", "_send_language", "_take_language"),
-              ("tts", "_send_speech", "_take_speech"),
-              ("codec", "_send_codec", "_take_codec"))
 
     def _finish(self, f: _Frame) -> None:
         """The frame's events, in the reference's order; runs in frame order (last stage, one thread)."""
@@ -442,13 +451,13 @@ class OnlineSession:
             self._inboxes[0].put(f)
             return
         try:
-            for name, send, take in self.STAGES:
+            for stage in self.stages:
                 start = self.clock.now()
-                if name == "perception":
+                if stage is self.stages[0]:
                     f.started = start
-                answer = getattr(self, send)(f).result()
-                f.ms[name] = (self.clock.now() - start) * 1000.0
-                getattr(self, take)(f, answer)
+                answer = stage.send(f).result()
+                f.ms[stage.name] = (self.clock.now() - start) * 1000.0
+                stage.take(f, answer)
         except BaseException as exc:
             self._fail(exc, f.index)
             self.close()  # a failed stage leaves the timeline broken: free every service session now
@@ -457,20 +466,22 @@ class OnlineSession:
     def _start_workers(self) -> None:
         """Two threads a stage: one sends each frame's request as the frame arrives, one takes the answers in
         order and hands the frame on."""
-        self._inboxes = [queue.SimpleQueue() for _ in self.STAGES]
-        for i, (name, send, take) in enumerate(self.STAGES):
+        self._inboxes = [queue.SimpleQueue() for _ in self.stages]
+        for i, stage in enumerate(self.stages):
             sent: queue.SimpleQueue = queue.SimpleQueue()
             room = threading.Semaphore(self.send_ahead)
-            outbox = self._inboxes[i + 1] if i + 1 < len(self.STAGES) else None
-            for target, args in ((self._send_work, (name, getattr(self, send), self._inboxes[i], sent, room)),
-                                 (self._take_work, (name, getattr(self, take), sent, room, outbox))):
-                thread = threading.Thread(target=target, args=args, name=f"session-{name}{target.__name__}",
+            outbox = self._inboxes[i + 1] if i + 1 < len(self.stages) else None
+            for target, args in ((self._send_work, (stage, i == 0, self._inboxes[i], sent, room)),
+                                 (self._take_work, (stage, sent, room, outbox))):
+                thread = threading.Thread(target=target, args=args, name=f"session-{stage.name}{target.__name__}",
                                           daemon=True)
                 thread.start()
                 self._threads.append(thread)
 
-    def _send_work(self, name: str, send, inbox: queue.SimpleQueue, sent: queue.SimpleQueue,
+    def _send_work(self, stage: Stage, first: bool, inbox: queue.SimpleQueue, sent: queue.SimpleQueue,
                    room: threading.Semaphore) -> None:
+        """Send each frame's request as it arrives, `send_ahead` unanswered at most; the first stage waits for the
+        shared ticker and starts the frame's clock."""
         while True:
             item = inbox.get()
             if item is _STOP or isinstance(item, _Failure):  # a failure is reported after the frames before it
@@ -481,13 +492,13 @@ class OnlineSession:
             if self._cancelled.is_set() or (self._failed_at is not None and item.index >= self._failed_at):
                 continue  # drain without work until the stop marker comes through; earlier frames finish
             room.acquire()
-            if name == "perception" and self.ticker is not None:
+            if first and self.ticker is not None:
                 self.ticker.wait(item.available)
             now = self.clock.now()
-            if name == "perception":
+            if first:
                 item.started = now
             try:
-                pending = send(item)
+                pending = stage.send(item)
             except BaseException as exc:  # noqa: BLE001 - reported to the driving thread
                 room.release()
                 self._fail(exc, item.index)
@@ -495,8 +506,9 @@ class OnlineSession:
                 continue
             sent.put((item, pending, now))
 
-    def _take_work(self, name: str, take, sent: queue.SimpleQueue, room: threading.Semaphore,
+    def _take_work(self, stage: Stage, sent: queue.SimpleQueue, room: threading.Semaphore,
                    outbox: queue.SimpleQueue | None) -> None:
+        """Take the answers in frame order and hand each frame on (the last stage's take emits its events)."""
         last_answer = 0.0
         while True:
             item, pending, sent_at = sent.get()
@@ -513,9 +525,9 @@ class OnlineSession:
             try:
                 answer = pending.result()
                 now = self.clock.now()
-                item.ms[name] = (now - max(sent_at, last_answer)) * 1000.0
+                item.ms[stage.name] = (now - max(sent_at, last_answer)) * 1000.0
                 last_answer = now
-                take(item, answer)
+                stage.take(item, answer)
             except BaseException as exc:  # noqa: BLE001 - reported to the driving thread
                 self._fail(exc, item.index)
                 self._forward_failure(_Failure(exc, item.index), outbox)

@@ -13,7 +13,7 @@ from orchestrator.cli import drive
 from orchestrator.clients import ServiceError
 from orchestrator.pending import Pending
 from orchestrator.profile import Profile, percentile
-from orchestrator.session import ContextLimitError, OnlineSession, SessionClosedError
+from orchestrator.session import ContextLimitError, OnlineSession, SessionClosedError, Stage
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
 from orchestrator.text import TokenAccumulator
 from orchestrator.timeline import SpeechInfo
@@ -210,6 +210,29 @@ def test_push_sizes_give_identical_events():
 def test_pipelined_equals_sequential():
     for chunk in (N, 4000):
         assert comparable(run(WAVE, chunk, pipelined=True)) == comparable(run(WAVE, chunk, pipelined=False))
+
+
+def test_every_frame_runs_the_session_stage_objects_in_order():
+    s = session(pipelined=False)
+    assert [stage.name for stage in s.stages] == ["perception", "language", "tts", "codec"]
+    seen = []
+
+    def traced(stage):  # the same stage, noting each frame it sends and takes
+        def send(f):
+            seen.append((stage.name, "send", f.index))
+            return stage.send(f)
+
+        def take(f, answer):
+            seen.append((stage.name, "take", f.index))
+            stage.take(f, answer)
+
+        return Stage(stage.name, send, take)
+
+    s.stages = tuple(traced(stage) for stage in s.stages)
+    events = s.push_audio(WAVE[: 2 * N]) + s.flush(pad_partial=False)
+    assert seen == [(name, step, t) for t in range(2) for name in ("perception", "language", "tts", "codec")
+                    for step in ("send", "take")]
+    assert comparable(events) == comparable(run(WAVE[: 2 * N], N, pipelined=False))
 
 
 def test_prompt_prefix_steps_speech_and_emits_nothing():
