@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from orchestrator.admission import BUSY, UNAVAILABLE, Admission, Refusal, Slot
 from orchestrator.clients import ServiceError
 from orchestrator.latency import LatencyTracker
 from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
@@ -135,17 +136,6 @@ def configured_tools(spec: pb.Configure) -> tuple[list[Tool], str]:
     return parse_tools(declared, "Configure.tools"), choice
 
 
-async def _wait_until(condition, timeout_s: float, poll_s: float = 0.05) -> bool:
-    """Poll `condition` on the event loop for up to timeout_s; whether it came true."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(poll_s)
-    return True
-
-
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
                  max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None,
@@ -158,15 +148,25 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.metrics.frame_budget_s = self.config.frame_duration
         self.decoder = TextDecoder(model_dir, self.config)
         self.vocabulary = transcript_vocabulary(model_dir, self.config)
-        self.max_sessions = max_sessions
+        self.admission = Admission(max_sessions)
         self.max_streaming_seconds = max_streaming_seconds
         self.pipelined = pipelined
-        self.live_sessions = 0  # conversations holding a slot (their service sessions open or closing)
-        self.draining = False  # set by drain(): new conversations are refused
-        self.unavailable: str | None = None  # why new conversations are refused while a service restarts
         self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
-        self.metrics.track_sessions(lambda: self.live_sessions)
+        self.metrics.track_sessions(lambda: self.admission.live)
         self._ids = itertools.count(1)
+
+    @property
+    def live_sessions(self) -> int:
+        """Conversations holding a slot (their service sessions open or closing)."""
+        return self.admission.live
+
+    @property
+    def max_sessions(self) -> int:
+        return self.admission.max_sessions
+
+    @max_sessions.setter
+    def max_sessions(self, value: int) -> None:
+        self.admission.max_sessions = value
 
     def _seconds(self, requested: float) -> float:
         if not requested >= 0:  # NaN too
@@ -190,7 +190,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         session: OnlineSession | None = None
-        slot = False
+        slot: Slot | None = None
         reader: asyncio.Task | None = None
         timing = LatencyTracker(self.config.frame_duration, self.metrics.latency_budget_s, metrics=self.metrics)
         try:
@@ -213,19 +213,10 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 except ValueError as exc:
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
-                if self.draining:
-                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE,
-                                 "this server is shutting down; open the conversation on another instance")
+                slot = self.admission.try_admit()
+                if isinstance(slot, Refusal):
+                    yield self._refused(slot)
                     return
-                if self.unavailable is not None:
-                    yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, f"{self.unavailable}; try again shortly")
-                    return
-                if self.live_sessions >= self.max_sessions:
-                    yield _error(pb.ERROR_CODE_SERVER_BUSY,
-                                 f"all {self.max_sessions} conversation slots are taken; try again later")
-                    return
-                self.live_sessions += 1
-                slot = True
 
                 def deliver(event: Event) -> None:
                     loop.call_soon_threadsafe(out.put_nowait, event)
@@ -240,13 +231,11 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     if not exc.refused_input:  # a service down or failing: this conversation cannot go on
                         yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
                         return
-                    self.live_sessions -= 1  # e.g. a prompt past the language service's limit: Configure again
-                    slot = False
+                    slot.release()  # e.g. a prompt past the language service's limit: Configure again
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
                 except ValueError as exc:
-                    self.live_sessions -= 1
-                    slot = False
+                    slot.release()
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
             driving = threading.Lock()  # one session call at a time; close waits for a call in flight
@@ -270,22 +259,29 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 reader.cancel()
             if session is not None:  # freed behind a call in flight, which may take frames to return
                 loop.run_in_executor(None, drive, session.close)
-            if slot:  # at once: a client that reconnects right away finds its slot free
-                self._release()
+            if isinstance(slot, Slot):  # at once: a client that reconnects right away finds its slot free
+                slot.release()
 
-    def _release(self) -> None:
-        self.live_sessions -= 1
+    def _refused(self, refusal: Refusal) -> pb.ConverseResponse:
+        """The Error that ends a conversation the admission refused."""
+        if refusal.kind == BUSY:
+            return _error(pb.ERROR_CODE_SERVER_BUSY,
+                          f"all {self.max_sessions} conversation slots are taken; try again later")
+        if refusal.kind == UNAVAILABLE:
+            return _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, f"{refusal.detail}; try again shortly")
+        return _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE,
+                      "this server is shutting down; open the conversation on another instance")
 
     async def drain(self, grace_s: float) -> None:
         """Shutting down: refuse new conversations, give the running ones `grace_s` seconds to end, then end
         each that is left with a SERVICE_UNAVAILABLE error saying so, and wait (briefly) for their sessions."""
-        self.draining = True
+        self.admission.drain()
         log.info("draining: %d conversation(s) running, %.1f s grace", self.live_sessions, grace_s)
-        if not await _wait_until(lambda: self.live_sessions == 0, grace_s):
+        if not await self.admission.wait_idle(grace_s):
             message = f"this server is shutting down and its {grace_s:g} s drain period is over; the conversation ended"
             for outbox in list(self._outboxes):
                 outbox.put_nowait(_Fatal(pb.ERROR_CODE_SERVICE_UNAVAILABLE, message))
-            await _wait_until(lambda: self.live_sessions == 0, 5.0)
+            await self.admission.wait_idle(5.0)
 
     async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue,
                     timing: LatencyTracker) -> None:
@@ -412,9 +408,9 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
     watching: list[asyncio.Task] = []
 
     async def report(running: RunningServer, reason: str | None) -> None:
-        servicer.unavailable = reason
+        servicer.admission.unavailable = reason
         if realtime is not None:
-            realtime.unavailable = reason
+            realtime.admission.unavailable = reason
         await running.report(reason is None)
 
     def on_ready(running: RunningServer) -> None:

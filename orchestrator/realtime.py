@@ -54,6 +54,7 @@ from websockets.headers import parse_subprotocol
 from websockets.http11 import Request, Response
 
 from orchestrator import web
+from orchestrator.admission import BUSY, SHUTTING_DOWN, Admission, Refusal, Slot
 from orchestrator.audio import to_pcm16
 from orchestrator.latency import LatencyTracker, add_budget_flag
 from orchestrator.tokens import SUBPROTOCOL, EphemeralTokens, TooManyTokens, offered_token
@@ -336,8 +337,6 @@ class RealtimeServer:
                  api_key: str | None = None, allowed_origins: Sequence[str] | None = None, api_prefix: str = "",
                  max_sessions: int = 1, limits: RealtimeLimits | None = None, metrics: Metrics | None = None,
                  token_ttl_s: float = 60.0, tls: Tls | None = None):
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty (leave it unset to accept every client)")
         self.factory = factory
@@ -348,17 +347,23 @@ class RealtimeServer:
         self.prefix = normal_prefix(api_prefix)
         self.path = self.prefix + REALTIME_PATH
         self.tokens = EphemeralTokens(token_ttl_s)
-        self.max_sessions = max_sessions
+        self.admission = Admission(max_sessions)  # upgrades are refused with 503 while draining or unavailable
         self.limits = limits or RealtimeLimits()
         self.tls = tls
-        self.live_sessions = 0  # connections holding a slot; touched only on the event loop
-        self.draining = False  # set by drain(): upgrades are refused with 503
-        self.unavailable: str | None = None  # why upgrades are refused (503) while a service restarts
         self._connections: set[_Connection] = set()
         self.metrics = metrics or Metrics("orchestrator")
         self.metrics.frame_budget_s = factory.frame_samples / factory.input_sample_rate
-        self.metrics.track_sessions(lambda: self.live_sessions)
+        self.metrics.track_sessions(lambda: self.admission.live)
         self._server: Server | None = None
+
+    @property
+    def live_sessions(self) -> int:
+        """Connections holding a slot."""
+        return self.admission.live
+
+    @property
+    def max_sessions(self) -> int:
+        return self.admission.max_sessions
 
     @property
     def url(self) -> str:
@@ -393,11 +398,8 @@ class RealtimeServer:
     async def drain(self, grace_s: float) -> None:
         """Shutting down: refuse new connections (503), give live sessions `grace_s` seconds to end, then send
         each one left a `server_shutting_down` error, free its session and close it with 1001."""
-        self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self.live_sessions and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        self.admission.drain()
+        await self.admission.wait_idle(grace_s)
         message = f"the server is shutting down and its {grace_s:g} s drain period is over; the session ended"
         await asyncio.gather(*(c.shut_down(message) for c in list(self._connections)))
 
@@ -415,7 +417,7 @@ class RealtimeServer:
     # ---------------------------------------------------------------------------------------- the upgrade
 
     def _check_upgrade(self, connection: ServerConnection, request: Request) -> Response | None:
-        if self.draining:
+        if self.admission.draining:
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
                                       "this server is shutting down; connect to another instance\n")
         route = urlsplit(request.path).path
@@ -426,8 +428,9 @@ class RealtimeServer:
             return web.file_response(connection, page)
         if route != self.path:
             return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint; the realtime socket is {self.path}\n")
-        if self.unavailable is not None:
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{self.unavailable}; try again shortly\n")
+        if self.admission.unavailable is not None:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
+                                      f"{self.admission.unavailable}; try again shortly\n")
         if self.api_key is not None and not (self._has_key(request) or self._redeems_token(request)):
             return _unauthorized(connection, "missing or wrong API key: send `Authorization: Bearer <key>`, or "
                                              f"offer a token from POST {self.prefix + SESSIONS_PATH} as the "
@@ -477,17 +480,11 @@ class RealtimeServer:
     # ------------------------------------------------------------------------------------- a connection
 
     async def _handle(self, websocket: ServerConnection) -> None:
-        if self.live_sessions >= self.max_sessions:
-            connection = _Connection(self, websocket)
-            try:
-                await connection.error(SERVER_BUSY, f"all {self.max_sessions} realtime session slot(s) are taken; "
-                                                    "try again later")
-                await websocket.close(CLOSE_TRY_AGAIN, "server busy")
-            except ConnectionClosed:
-                pass
+        slot = self.admission.try_admit()
+        if isinstance(slot, Refusal):
+            await self._refuse(_Connection(self, websocket, None), slot)
             return
-        self.live_sessions += 1
-        connection = _Connection(self, websocket)
+        connection = _Connection(self, websocket, slot)
         self._connections.add(connection)
         log.info("realtime %s: connected (%d/%d slots)", connection.id, self.live_sessions, self.max_sessions)
         running = asyncio.ensure_future(connection.run())
@@ -506,8 +503,21 @@ class RealtimeServer:
             connection.release()  # at once: a client reconnecting right away must not find the server busy
             await connection.end_session()
 
-    def _release(self) -> None:
-        self.live_sessions -= 1
+    async def _refuse(self, connection: _Connection, refusal: Refusal) -> None:
+        """A socket the admission refused: every slot taken, or a drain or a restart begun since its upgrade was
+        checked. One error event, then the close."""
+        if refusal.kind == SHUTTING_DOWN:
+            code, message = SERVER_SHUTTING_DOWN, "this server is shutting down; connect to another instance"
+            close = (CLOSE_GOING_AWAY, "server shutting down")
+        else:
+            busy = f"all {self.max_sessions} realtime session slot(s) are taken; try again later"
+            code, close = SERVER_BUSY, (CLOSE_TRY_AGAIN, "server busy")
+            message = busy if refusal.kind == BUSY else f"{refusal.detail}; try again shortly"
+        try:
+            await connection.error(code, message)
+            await connection.websocket.close(*close)
+        except ConnectionClosed:
+            pass
 
 
 def _unauthorized(connection: ServerConnection, message: str) -> Response:
@@ -535,7 +545,7 @@ def _normal_origin(origin: str) -> str:
 class _Connection:
     """One WebSocket's conversation: the message loop, its session and the worker thread that drives it."""
 
-    def __init__(self, server: RealtimeServer, websocket: ServerConnection):
+    def __init__(self, server: RealtimeServer, websocket: ServerConnection, slot: Slot | None):
         self.server = server
         self.websocket = websocket
         self.limits = server.limits
@@ -543,7 +553,7 @@ class _Connection:
         self.id = new_id("sess_")
         self.session: RealtimeSession | None = None
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._holds_slot = True
+        self.slot = slot  # None for a connection refused at once
         self.failure: str | None = None  # what closed the session, once a service failure has
         self.metrics = server.metrics
         self._intervals: collections.deque[float | None] = collections.deque()  # of audio deltas not yet sent
@@ -783,10 +793,8 @@ class _Connection:
             worker.shutdown(wait=False)
 
     def release(self) -> None:
-        if self._holds_slot:
-            self._holds_slot = False
+        if self.slot is not None and self.slot.release():
             self.timing.close()
-            self.server._release()
             log.info("realtime %s: slot released", self.id)
 
 
