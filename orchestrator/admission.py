@@ -1,10 +1,15 @@
 """Who may start a conversation: the slots and the refusals shared by both front doors.
 
-    admission = Admission(max_sessions=4)
-    slot = admission.try_admit()       # a Slot, or a Refusal: SHUTTING_DOWN, UNAVAILABLE (detail: why) or BUSY
-    ...
-    slot.release()                     # once the conversation ends; again is a no-op
-    await admission.wait_idle(5.0)     # draining: True once every slot is free, False at the timeout
+    >>> admission = Admission(max_sessions=1)
+    >>> slot = admission.try_admit()   # a Slot, or a Refusal: SHUTTING_DOWN, UNAVAILABLE (detail: why) or BUSY
+    >>> admission.try_admit(), admission.live
+    (Refusal(kind='busy', detail=None), 1)
+    >>> slot.release(), slot.release(), admission.live   # once the conversation ends; again is a no-op
+    (True, False, 0)
+    >>> admission.drain(); admission.try_admit()
+    Refusal(kind='shutting_down', detail=None)
+
+A drain then awaits `admission.wait_idle(grace_s)`: True once every slot is free, False at the timeout.
 
 The gRPC conversation service and the realtime gateway each hold one (their own `max_sessions`) and word the
 refusals their clients see themselves. `drain()` refuses from then on; `unavailable` names why new conversations
