@@ -474,6 +474,29 @@ def test_max_sessions_admits_that_many():
     assert busy[0]["error"]["code"] == "server_busy" and code == 1013
 
 
+@pytest.mark.parametrize("begun, code, message, close", [
+    ("drain", "server_shutting_down", "this server is shutting down; connect to another instance", 1001),
+    ("restart", "server_busy", "the tts service restarts; try again shortly", 1013)])
+def test_a_drain_or_restart_begun_during_the_upgrade_refuses_the_socket(begun, code, message, close):
+    class Racing(RealtimeServer):
+        def _check_upgrade(self, connection, request):
+            response = super()._check_upgrade(connection, request)  # the upgrade passes, then the state changes
+            if begun == "drain":
+                self.admission.drain()
+            else:
+                self.admission.unavailable = "the tts service restarts"
+            return response
+
+    async def main():
+        async with Racing(FakeFactory()) as server:
+            client = await Client.open(server.url)
+            return await client.rest(), client.close_code, server.live_sessions
+
+    events, close_code, live = asyncio.run(main())
+    assert [(e["type"], e["error"]["code"], e["error"]["message"]) for e in events] == [("error", code, message)]
+    assert close_code == close and live == 0
+
+
 def test_a_dropped_connection_closes_its_session_and_frees_the_slot():
     factory = FakeFactory()
 
