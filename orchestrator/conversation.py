@@ -168,6 +168,13 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def max_sessions(self, value: int) -> None:
         self.admission.max_sessions = value
 
+    def _configured(self, spec: pb.Configure) -> tuple[float, list[Tool], str]:
+        """A Configure's (max_streaming_seconds, tools, tool_choice); ValueError naming a field not accepted."""
+        if spec.sample_rate_hz not in (0, self.config.input_sample_rate):
+            raise ValueError(f"Configure.sample_rate_hz {spec.sample_rate_hz}: only "
+                             f"{self.config.input_sample_rate} Hz is accepted")
+        return (self._seconds(spec.max_streaming_seconds), *configured_tools(spec))
+
     def _seconds(self, requested: float) -> float:
         if not requested >= 0:  # NaN too
             raise ValueError(f"Configure.max_streaming_seconds {requested} must be >= 0 (0 = the server's limit)")
@@ -193,6 +200,10 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         slot: Slot | None = None
         reader: asyncio.Task | None = None
         timing = LatencyTracker(self.config.frame_duration, self.metrics.latency_budget_s, metrics=self.metrics)
+
+        def deliver(event: Event) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, event)
+
         try:
             while session is None:  # Configure (again after SESSION_INITIALIZATION_FAILED)
                 request = await anext(request_iterator, None)
@@ -205,11 +216,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                     continue
                 spec = request.configure
                 try:
-                    if spec.sample_rate_hz not in (0, self.config.input_sample_rate):
-                        raise ValueError(f"Configure.sample_rate_hz {spec.sample_rate_hz}: only "
-                                         f"{self.config.input_sample_rate} Hz is accepted")
-                    seconds = self._seconds(spec.max_streaming_seconds)
-                    tools, tool_choice = configured_tools(spec)
+                    seconds, tools, tool_choice = self._configured(spec)
                 except ValueError as exc:
                     yield _error(pb.ERROR_CODE_SESSION_INITIALIZATION_FAILED, str(exc))
                     continue
@@ -217,10 +224,6 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 if isinstance(slot, Refusal):
                     yield self._refused(slot)
                     return
-
-                def deliver(event: Event) -> None:
-                    loop.call_soon_threadsafe(out.put_nowait, event)
-
                 try:
                     session = await asyncio.to_thread(
                         OnlineSession, self.clients, self.config, self.decoder,

@@ -201,12 +201,7 @@ class OnlineSession:
             self._close_streams()
             raise
         self._silence = np.asarray(self.info.silence_codes, np.int32)
-        # a frame's time in a stage runs from when the service could start on it (its request sent and the stage's
-        # previous answer back) to its answer
-        self.stages = (Stage("perception", self._send_perception, self._take_perception),
-                       Stage("language", self._send_language, self._take_language),
-                       Stage("tts", self._send_speech, self._take_speech),
-                       Stage("codec", self._send_codec, self._take_codec))
+        self.stages = self._stages()
         if pipelined:
             self._start_workers()
 
@@ -359,6 +354,14 @@ class OnlineSession:
     # Pending answer), `take` stores the answer in the frame. The pipelined mode sends a frame's request as soon as
     # the frame reaches the stage, up to `send_ahead` frames before their answers are taken, so the service has its
     # next request when it finishes one: no round trip between a stage's frames.
+
+    def _stages(self) -> tuple[Stage, ...]:
+        """Perception, language, speech, codec over this session's streams. A frame's time in a stage runs from
+        when the service could start on it (its request sent and the stage's previous answer back) to its answer."""
+        return (Stage("perception", self._send_perception, self._take_perception),
+                Stage("language", self._send_language, self._take_language),
+                Stage("tts", self._send_speech, self._take_speech),
+                Stage("codec", self._send_codec, self._take_codec))
 
     def _send_perception(self, f: _Frame) -> Pending:
         return self.perception.send_push(f.samples)
