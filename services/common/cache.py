@@ -323,35 +323,93 @@ def length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
 GROW = 256  # attention caches grow in blocks of this many positions, as the reference's caches allocate
 
 
+@dataclass(frozen=True)
+class Bound:
+    """How many keys a `FullCache` holds at most: the session's first `keep` keys (its prompt) for good, then the
+    last `window` keys after them in a ring.
+
+    >>> Bound(keep=3, window=4).slot(9)   # keys 0-2 kept; key 9 overwrites key 5's slot, 3 + (9 - 3) % 4
+    5
+    """
+
+    keep: int
+    window: int
+
+    def __post_init__(self) -> None:
+        if self.keep < 0 or self.window < 1:
+            raise ValueError(f"a cache bound keeps keep >= 0 prompt keys and a window >= 1 of the last keys, "
+                             f"got keep={self.keep}, window={self.window}")
+
+    @property
+    def size(self) -> int:
+        return self.keep + self.window
+
+    def slot(self, offset: int) -> int:
+        """Where key number `offset` goes: its own position until the bound, then a ring after the kept keys."""
+        return offset if offset < self.size else self.keep + (offset - self.keep) % self.window
+
+
+def context_bound(keep: int, max_context: int | None) -> Bound | None:
+    """The bound of a session whose prompt is `keep` positions, `max_context` positions after it (None or 0:
+    unbounded, every key kept)."""
+    return Bound(keep, max_context) if max_context else None
+
+
 class FullCache(GroupedCache):
     """Attention keys and values, every one so far in time order: (B, kv_heads, capacity, head_dim), grown
     GROW positions at a time (the speech backbone's global layers, every attention layer of the language model).
 
     The buffer takes the dtype of the first keys written (a bf16 prompt prefix keeps later float32 keys in bf16,
-    exactly as the reference's cache does)."""
+    exactly as the reference's cache does).
+
+    With a `Bound` it holds at most bound.size keys: until then exactly as without (the same slots, keys and
+    sums); after it each new key overwrites the oldest key past the kept prompt, so a single query attends over
+    the prompt and the last `window` keys (in slot order, not time order: the language model's attention has no
+    positions, and the speech backbone stores its keys rotated at their absolute offsets). Past the bound keys
+    come one at a time."""
+
+    def __init__(self, bound: Bound | None = None) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def plan(self, n: int) -> Plan:
+        """Where n new keys go (slot, the keys visible after them, the buffer size then), without writing them: a
+        full buffer grows by a multiple of GROW keys past the keys so far (never past the bound)."""
+        offset, capacity = self.offset, self.capacity
+        if self.bound is not None and offset + n > self.bound.size:
+            if n > 1:
+                raise ValueError(f"a bounded attention cache takes one key at a time past its {self.bound.size} "
+                                 f"keys (it holds {offset}, {n} came); a longer prompt needs a larger keep")
+            size = self.bound.size
+            return Plan(self.bound.slot(offset), size, size)
+        if offset + n > capacity:
+            capacity = offset + (GROW + n - 1) // GROW * GROW
+            if self.bound is not None:
+                capacity = min(capacity, self.bound.size)
+        return Plan(offset, offset + n, capacity)
 
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._own()
         n = keys.shape[2]
-        if self._keys is None or self.offset + n > self._keys.shape[2]:
+        plan = self.plan(n)
+        if self._keys is None or plan.capacity > self._keys.shape[2]:
             b, h, _, d = keys.shape
-            size = (GROW + n - 1) // GROW * GROW
-            grow_k = mx.zeros((b, h, size, d), keys.dtype)
-            grow_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
+            grow = plan.capacity - self.offset
+            grow_k = mx.zeros((b, h, grow, d), keys.dtype)
+            grow_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
             if self._keys is None:
                 self._keys, self._values = grow_k, grow_v
             else:
                 self._keys = mx.concatenate([self._keys[..., : self.offset, :], grow_k], axis=2)
                 self._values = mx.concatenate([self._values[..., : self.offset, :], grow_v], axis=2)
-        self._keys[..., self.offset : self.offset + n, :] = keys
-        self._values[..., self.offset : self.offset + n, :] = values
+        self._keys[..., plan.slot : plan.slot + n, :] = keys
+        self._values[..., plan.slot : plan.slot + n, :] = values
         self.offset += n
-        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
+        return self._keys[..., : plan.visible, :], self._values[..., : plan.visible, :]
 
     def plan_one(self) -> Plan:
-        """What `update` does with one key: a full buffer grows by GROW keys past the keys so far."""
-        capacity = self.capacity if self.offset < self.capacity else self.offset + GROW
-        return Plan(self.offset, self.offset + 1, capacity)
+        """What `update` does with one key."""
+        return self.plan(1)
 
     def mask(self, n: int) -> str | None:
         return "causal" if n > 1 else None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
 from services.common.errors import EXIT_BIND, BindError
-from services.common.loading import keep_float32_matmuls
+from services.common.loading import DEFAULT_MAX_CONTEXT, keep_float32_matmuls
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
@@ -154,6 +154,17 @@ def add_split_matmuls_flag(parser: argparse.ArgumentParser, needs: str = "") -> 
     )
 
 
+def add_max_context_flag(parser: argparse.ArgumentParser, layers: str) -> None:
+    """`--max-context`, for the services whose attention keys grow with a session (`services.common.cache.Bound`)."""
+    parser.add_argument(
+        "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, metavar="N",
+        help=f"attention positions a session keeps past its prompt in {layers} (one a frame: {DEFAULT_MAX_CONTEXT} "
+             f"is {DEFAULT_MAX_CONTEXT * 0.08 / 60:.1f} minutes at 80 ms); a longer session keeps its prompt and its "
+             f"last N positions, so its memory and per-frame cost stay flat (default {DEFAULT_MAX_CONTEXT}; 0 keeps "
+             "every position: outputs as the reference's at any length, memory growing with the session)",
+    )
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate the common flags (exits with a usage error naming the bad one)."""
     args = parser.parse_args(argv)
@@ -179,6 +190,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
     if args.step_log is not None and not args.step_log.parent.is_dir():
         parser.error(f"--step-log {args.step_log}: no such directory {args.step_log.parent}")
+    if getattr(args, "max_context", 0) < 0:
+        parser.error(f"--max-context {args.max_context}: must be 0 (no bound) or more")
     if args.cache_limit_mb is not None and not 0 <= args.cache_limit_mb < 2**40:
         parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
     return args

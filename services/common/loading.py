@@ -1,7 +1,7 @@
 """How a service loads its model: one `LoadOptions` value from the command line to the engine, and the process
 setting the services make at their entry points before MLX runs a matmul. No MLX here.
 
-    options = LoadOptions.from_args(args)                 # --weights-dtype, --float32-weights, --split-matmuls
+    options = LoadOptions.from_args(args)     # --weights-dtype, --float32-weights, --split-matmuls, --max-context
     engine = LanguageEngine.load(model_dir, options=options)
 """
 
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 TF32_ENV = "MLX_ENABLE_TF32"
 WEIGHTS_DTYPES = ("stored", "bfloat16")
+# Attention positions a session keeps past its prompt (--max-context): one a frame in both the language model and
+# the speech backbone, so 8192 frames of 80 ms keep every conversation of up to 10.9 minutes exact.
+DEFAULT_MAX_CONTEXT = 8192
 
 
 def keep_float32_matmuls() -> None:
@@ -34,9 +37,12 @@ class LoadOptions:
     float32_weights: keep in float32 the arrays that every frame's float32 activations would convert in each
     call (outputs identical; twice those arrays' memory). split_matmuls (a CUDA GPU only): dense bf16
     projections meet float32 activations in `split_matmul`, on the tensor cores at float32's accuracy.
+    max_context: the attention keys a session keeps past its prompt (the language model's attention layers, the
+    speech backbone's global layers); past it the oldest of them give way (`services.common.cache.Bound`). 0 or
+    None keeps every key.
 
     >>> LoadOptions.from_args(argparse.Namespace(float32_weights=True))
-    LoadOptions(weights_dtype='stored', float32_weights=True, split_matmuls=False)
+    LoadOptions(weights_dtype='stored', float32_weights=True, split_matmuls=False, max_context=8192)
     >>> LoadOptions(weights_dtype="float16")
     Traceback (most recent call last):
     ...
@@ -46,16 +52,19 @@ class LoadOptions:
     weights_dtype: str = "stored"
     float32_weights: bool = False
     split_matmuls: bool = False
+    max_context: int | None = DEFAULT_MAX_CONTEXT
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"weights_dtype must be 'stored' or 'bfloat16', got {self.weights_dtype!r}")
+        if self.max_context is not None and self.max_context < 0:
+            raise ValueError(f"max_context must be 0 (every key kept) or more, got {self.max_context}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LoadOptions:
         """From a service's flags; a flag the service does not define keeps its default."""
         return cls(getattr(args, "weights_dtype", "stored"), getattr(args, "float32_weights", False),
-                   getattr(args, "split_matmuls", False))
+                   getattr(args, "split_matmuls", False), getattr(args, "max_context", DEFAULT_MAX_CONTEXT))
 
     def only_stored(self, service: str) -> LoadOptions:
         """These options, for a service whose weights are kept as stored (ValueError for any other dtype)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.batching import BatchOptions
-from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
+from services.common.cli import ServiceSpec, add_max_context_flag, add_split_matmuls_flag, exit_process, run_service
 from services.common.loading import LoadOptions
 from services.llm.engine import MAX_PROMPT_TOKENS
 from services.llm.service import build_spec
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "about 1/16 byte more a parameter); identical outputs, fewer conversions per frame",
     )
     add_split_matmuls_flag(parser, " (--weights-dtype bfloat16)")
+    add_max_context_flag(parser, "the attention layers")
 
 
 def build(args: argparse.Namespace) -> ServiceSpec:

@@ -21,12 +21,20 @@ from tokenizers import Tokenizer
 
 from services.common import layers, split_matmul
 from services.common.batching import raise_first
-from services.common.cache import STACK_ALL, FullCache, MambaCache, StatePools, group_by_signature, stack_limit
+from services.common.cache import (
+    STACK_ALL,
+    FullCache,
+    MambaCache,
+    StatePools,
+    context_bound,
+    group_by_signature,
+    stack_limit,
+)
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, widen
-from services.common.loading import AS_STORED, LoadOptions
+from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
 from services.llm.nemotron_h import (
     WEIGHT_PREFIXES,
     Block,
@@ -171,11 +179,13 @@ class LanguageEngine:
     """Loads `stt_model.{embed_tokens,llm,lm_head,function_head}` and the tokenizer; opens sessions."""
 
     def __init__(self, config: VoiceChatConfig, model: DuplexLanguageModel, tokenizer: Tokenizer | None,
-                 max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> None:
+                 max_prompt_tokens: int = MAX_PROMPT_TOKENS, max_context: int | None = DEFAULT_MAX_CONTEXT) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
+        # attention keys a session keeps past its prompt (LoadOptions.max_context; None or 0: all of them)
+        self.max_context = max_context
         self._sessions: dict[int, LanguageSession] = {}
         self._ids = itertools.count(1)
         # the Mamba states of the last batches, stacked, by their sessions (`_mamba_holders` gives the order)
@@ -218,7 +228,7 @@ class LanguageEngine:
             checkpoint.close()
         tokenizer_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
-        return cls(checkpoint.config, model, tokenizer, max_prompt_tokens)
+        return cls(checkpoint.config, model, tokenizer, max_prompt_tokens, options.max_context)
 
     @property
     def hidden_size(self) -> int:
@@ -258,8 +268,8 @@ class LanguageEngine:
             raise ValueError(f"prefix_dtype must be one of {sorted(PREFIX_DTYPES)}, got {prefix_dtype!r}")
         pad = self.model.pad_id
         session = LanguageSession(next(self._ids), self.model, full_history, prev_text=pad, prev_function=pad)
-        if not full_history:
-            session.caches = self.model.make_caches()
+        if not full_history:  # the prompt's keys are kept for good, then the last max_context positions
+            session.caches = self.model.make_caches(context_bound(len(ids), self.max_context))
         if ids:
             rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32)).astype(PREFIX_DTYPES[prefix_dtype])
             if prefill or full_history:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from services.common.cache import FullCache, MambaCache, attend_sessions
+from services.common.cache import Bound, FullCache, MambaCache, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TextConfig, VoiceChatConfig
 from services.common.layers import Embedding, Linear, as_stored
@@ -335,9 +335,10 @@ class NemotronH:
             blocks.append(Block(kind, w.get(f"{p}.norm.weight", (cfg.hidden_size,)), mixer, cfg.layer_norm_epsilon))
         return cls(blocks, w.get(f"{path}.norm_f.weight", (cfg.hidden_size,)), cfg.layer_norm_epsilon)
 
-    def make_caches(self) -> list[LayerCache]:
-        """One cache per block: MambaCache for 'M', FullCache for '*', None for '-'."""
-        return [MambaCache() if b.kind == "M" else FullCache() if b.kind == "*" else None for b in self.blocks]
+    def make_caches(self, bound: Bound | None = None) -> list[LayerCache]:
+        """One cache per block: MambaCache for 'M', FullCache for '*' (holding at most `bound`'s keys), None for
+        '-'."""
+        return [MambaCache() if b.kind == "M" else FullCache(bound) if b.kind == "*" else None for b in self.blocks]
 
     def __call__(self, x: mx.array, caches: list[LayerCache] | None = None) -> mx.array:
         """x: (B, L, D) -> (B, L, D). Without caches the whole sequence is computed from scratch."""
@@ -383,8 +384,8 @@ class DuplexLanguageModel:
                                  f"config.json's ({cfg.vocab_size}, {cfg.hidden_size})")
         return model
 
-    def make_caches(self) -> list[LayerCache]:
-        return self.backbone.make_caches()
+    def make_caches(self, bound: Bound | None = None) -> list[LayerCache]:
+        return self.backbone.make_caches(bound)
 
     def fuse(self, prev_text: int, audio: mx.array, prev_function: int) -> mx.array:
         """audio: (1, 1, D) -> E(prev_text) + audio + w * E(prev_function), (1, 1, D).

@@ -6,7 +6,7 @@ import argparse
 
 from protos.voicechat.v1 import speech_pb2_grpc
 from services.common.batching import BatchOptions
-from services.common.cli import ServiceSpec, add_split_matmuls_flag, exit_process, run_service
+from services.common.cli import ServiceSpec, add_max_context_flag, add_split_matmuls_flag, exit_process, run_service
 from services.common.engine_thread import EngineThread
 from services.common.loading import LoadOptions
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS
@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "twice those weights' memory)",
     )
     add_split_matmuls_flag(parser)
+    add_max_context_flag(parser, "the backbone's global layers (its local layers keep a fixed window already)")
     parser.add_argument(
         "--max-prefix-steps", type=int, default=DEFAULT_MAX_PREFIX_STEPS,
         help="most system-prompt prefix steps a session may ask for at open (one per prompt position after the "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from services.common.cache import FullCache, RingCache, attend_sessions
+from services.common.cache import Bound, FullCache, RingCache, attend_sessions
 from services.common.checkpoint import Weights
 from services.common.config import TTSConfig
 from services.common.layers import Linear, Projections
@@ -132,9 +132,10 @@ class Gemma3Backbone:
                                 norm("post_feedforward_layernorm")))
         return cls(layers, GemmaRMSNorm.from_weights(weights, f"{path}.norm", eps), config)
 
-    def make_caches(self) -> list[FullCache | RingCache]:
-        """One cache per layer: full for global layers, a ring of `sliding_window` keys for the others."""
-        return [FullCache() if self.config.is_global_layer(i) else RingCache(self.config.sliding_window)
+    def make_caches(self, bound: Bound | None = None) -> list[FullCache | RingCache]:
+        """One cache per layer: full for global layers (holding at most `bound`'s keys), a ring of
+        `sliding_window` keys for the others."""
+        return [FullCache(bound) if self.config.is_global_layer(i) else RingCache(self.config.sliding_window)
                 for i in range(len(self.layers))]
 
     def __call__(self, x: mx.array, caches: list[FullCache | RingCache]) -> mx.array:

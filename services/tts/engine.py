@@ -28,12 +28,20 @@ from tokenizers import Tokenizer
 
 from services.common import split_matmul
 from services.common.batching import raise_first
-from services.common.cache import FullCache, RingCache, RowSources, group_by_signature, stack_limit, take_index
+from services.common.cache import (
+    FullCache,
+    RingCache,
+    RowSources,
+    context_bound,
+    group_by_signature,
+    stack_limit,
+    take_index,
+)
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
-from services.common.loading import AS_STORED, LoadOptions
+from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
 from services.tts.mog import MoGHead
@@ -78,6 +86,8 @@ class TTSEngine:
     silence_codes: mx.array  # (Q,) int32
     control_codes: mx.array  # (3,) int32
     max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS
+    # global-layer keys a session keeps past its prompt and prefix (LoadOptions.max_context; None or 0: all)
+    max_context: int | None = DEFAULT_MAX_CONTEXT
     _text_rows: OrderedDict[int, mx.array] = field(default_factory=OrderedDict, repr=False)
     # each session's previous codes and random key are rows of the last batched step's arrays (`RowSources`), so
     # the next step of the same sessions gathers them without a copy per session
@@ -121,6 +131,7 @@ class TTSEngine:
                 silence_codes=weights.get("tts_model.codec_silence_tokens", (tts.num_quantizers,)).astype(mx.int32),
                 control_codes=weights.get("tts_model.control_codes").astype(mx.int32),
                 max_prefix_steps=max_prefix_steps,
+                max_context=options.max_context,
             )
             mx.eval(weights.arrays, model.code_rows, model.code_starts, model.picked_starts, model.books,
                     model.book_norms, wide)
@@ -284,7 +295,9 @@ class TTSSession:
         self.engine = engine
         self.serial = next(_SERIALS)  # orders the sessions of a batch
         self.rng = SessionKey(seed)
-        self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches()
+        # the speaker prompt's and the system prompt's prefix steps' keys are kept for good
+        bound = context_bound(frames + prefix_steps, engine.max_context)
+        self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches(bound)
         prompt = mx.array(codes.astype(np.int32))[None]
         engine.model.warmup(prompt, engine.prompt_latent, engine.config.pad_token_id, engine.table, self.caches)
         self.previous = prompt[:, -1:]

@@ -14,11 +14,13 @@ def test_each_services_flags_become_one_load_options(service, tmp_path):
     importlib.import_module(f"services.{service}.__main__").add_arguments(parser)
     plain = LoadOptions.from_args(parse_args(parser, ["--model", str(tmp_path)]))
     assert plain == LoadOptions()
-    flags = {"llm": ["--weights-dtype", "bfloat16", "--float32-weights", "--split-matmuls"],
-             "tts": ["--float32-weights", "--split-matmuls"], "perception": ["--split-matmuls"], "codec": []}[service]
+    flags = {"llm": ["--weights-dtype", "bfloat16", "--float32-weights", "--split-matmuls", "--max-context", "64"],
+             "tts": ["--float32-weights", "--split-matmuls", "--max-context", "0"], "perception": ["--split-matmuls"],
+             "codec": []}[service]
     chosen = LoadOptions.from_args(parse_args(parser, ["--model", str(tmp_path), *flags]))
+    max_context = {"llm": 64, "tts": 0}.get(service, LoadOptions().max_context)
     assert chosen == LoadOptions("bfloat16" if service == "llm" else "stored", "--float32-weights" in flags,
-                                 "--split-matmuls" in flags)
+                                 "--split-matmuls" in flags, max_context)
 
 
 @pytest.mark.parametrize("name", ["perception", "tts"])
