@@ -90,6 +90,7 @@ class GrpcPerceptionStream:
     def __init__(self, channel: Channel, sample_rate_hz: int):
         self.stream = channel.stream("Stream")
         self.frame = 0
+        self.transcript = ""  # the user's transcript so far, summed from the frames' deltas
         try:
             self.stream.call(perception_pb2.PerceptionStreamRequest(
                 open=perception_pb2.PerceptionOpen(sample_rate_hz=sample_rate_hz)))
@@ -104,16 +105,18 @@ class GrpcPerceptionStream:
         pending = self.stream.send(perception_pb2.PerceptionStreamRequest(frame=perception_pb2.PerceptionFrameInput(
             frame_index=self.frame, samples=to_proto_np(frame.astype(np.float32)))))
         self.frame += 1
-        return pending.then(_perceived)
+        return pending.then(self._perceived)
+
+    def _perceived(self, reply: perception_pb2.PerceptionStreamResponse) -> PerceivedFrame:
+        """The frame as the service answered it, with the transcript so far: the sum of the frames' deltas (the
+        answers are taken in order), or the transcript a service sends whole."""
+        out = reply.frame
+        self.transcript = out.transcript or self.transcript + out.transcript_delta
+        return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
+                              out.transcript_delta, self.transcript, list(out.token_ids))
 
     def close(self) -> None:
         self.stream.close()
-
-
-def _perceived(reply: perception_pb2.PerceptionStreamResponse) -> PerceivedFrame:
-    out = reply.frame
-    return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
-                          out.transcript_delta, out.transcript, list(out.token_ids))
 
 
 class GrpcPerceptionStreams:

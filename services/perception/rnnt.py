@@ -114,8 +114,8 @@ class RNNTState:
     last_token: int = -1
     lstm: tuple[list[mx.array], list[mx.array]] | None = None
     token_ids: list[int] = field(default_factory=list)  # non-special emissions, for the transcript
-    text: str = ""  # the transcript: `joined` stripped
-    joined: str = ""  # pieces joined so far, kept so each frame costs only its own pieces
+    text: str = ""  # the transcript: the pieces so far joined and stripped
+    held: str = ""  # the joined pieces' trailing whitespace: part of the text once more text follows it
     last_emitted: int = 0  # symbols the last decoded frame emitted: how deep the next frame speculates
 
     def __post_init__(self) -> None:
@@ -294,8 +294,8 @@ class RNNT:
         return self.end_frame(state, self.begin_frame(state, frame))
 
     def transcript_update(self, state: RNNTState, frame: mx.array) -> tuple[list[int], str]:
-        """Decode one frame and refresh `state.text`; returns (ids emitted, text delta). The delta is the new
-        suffix when the text grows, else the whole new text (the cumulative text is authoritative)."""
+        """Decode one frame and refresh `state.text`; returns (ids emitted, text delta): the text's new suffix
+        (the text only grows at its end, so the deltas sum to it)."""
         return self.finish_transcript(state, self.begin_frame(state, frame))
 
     def finish_transcript(self, state: RNNTState, proposal: Proposal | None) -> tuple[list[int], str]:
@@ -305,11 +305,16 @@ class RNNT:
         return emitted, self.update_text(state, before)
 
     def update_text(self, state: RNNTState, before: int) -> str:
-        """Refresh `state.text` after a frame's emissions (state.token_ids[before:]); returns the delta."""
+        """Refresh `state.text` after a frame's emissions (state.token_ids[before:]); returns the delta.
+
+        The text is the joined pieces stripped, which only ever grows at its end: a frame costs its own pieces,
+        not the transcript's length."""
         if len(state.token_ids) == before:
             return ""
-        state.joined += join_pieces(state.token_ids[before:], self.vocabulary)
-        text = state.joined.strip()
-        delta = text[len(state.text) :] if text.startswith(state.text) else text
-        state.text = text
+        added = state.held + join_pieces(state.token_ids[before:], self.vocabulary)
+        if not state.text:  # leading whitespace is never part of the text
+            added = added.lstrip()
+        delta = added.rstrip()
+        state.held = added[len(delta) :]
+        state.text += delta
         return delta

@@ -130,8 +130,7 @@ def _frame_response(entry: tuple, out: StreamFrame) -> perception_pb2.Perception
             frame_index=out.frame_index,
             audio_embedding=to_proto(out.audio_embedding),
             encoder_output=to_proto(out.encoder_out),
-            transcript_delta=out.transcript_delta,
-            transcript=out.transcript,
+            transcript_delta=out.transcript_delta,  # the deltas sum to the transcript: it is not sent every frame
             token_ids=out.token_ids,
         )
     )

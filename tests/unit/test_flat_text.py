@@ -1,0 +1,85 @@
+"""Text that grows with a conversation, kept at a flat cost per frame: the RNNT transcript grows at its end only
+(each frame costs its own pieces), the assistant's channels decode a bounded tail of ids, and the perception
+stream sends each frame's delta, its client summing them."""
+
+import numpy as np
+
+from orchestrator.stream_clients import GrpcPerceptionStream
+from orchestrator.text import SETTLING_IDS, TextDecoder, TokenAccumulator
+from protos.voicechat.v1 import perception_pb2
+from services.common.config import VoiceChatConfig
+from services.common.tensors import to_proto_np
+from services.perception.rnnt import RNNT, RNNTState
+from services.perception.vocabulary import join_pieces
+
+# word starts, word pieces, specials, pieces of whitespace alone (a transcript may end in them for a while)
+VOCAB = ["<unk>", "<en-US>", "\u2581hel", "lo", "\u2581world", "\u2581", "\u2581\u2581", "\t", "x", "<pad>"]
+
+
+def test_the_transcript_grows_at_its_end_as_the_joined_pieces_stripped():
+    rnnt = RNNT.__new__(RNNT)  # update_text needs the vocabulary alone
+    rnnt.vocabulary = VOCAB
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        state, ids, summed = RNNTState(blank=len(VOCAB)), [], ""
+        for _ in range(int(rng.integers(1, 12))):
+            frame = [int(i) for i in rng.integers(0, len(VOCAB), int(rng.integers(0, 4)))]
+            before = len(state.token_ids)
+            state.token_ids += frame
+            ids += frame
+            delta = rnnt.update_text(state, before)
+            summed += delta
+            # what the transcript is by definition, recomputed from every piece so far
+            assert state.text == join_pieces(ids, VOCAB).strip() == summed, (trial, ids)
+
+
+def test_a_channels_text_is_the_decode_of_every_id_while_it_decodes_a_bounded_tail(tiny_checkpoint):
+    decoder = TextDecoder(tiny_checkpoint, VoiceChatConfig.load(tiny_checkpoint))
+    vocab = decoder.tokenizer.get_vocab_size()
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, vocab, 600)]  # byte pieces split characters
+    accumulator, kept, longest = TokenAccumulator(decoder), [], 0
+    for token in ids:
+        update = accumulator.append(token)
+        if token in decoder.hidden:
+            assert update is None
+            continue
+        kept.append(token)
+        whole = decoder.decode(kept)
+        previous = decoder.decode(kept[:-1])
+        delta = whole[len(previous):] if whole.startswith(previous) else decoder.decode([token])
+        assert update == (delta, whole)  # what decoding every id each token gives
+        longest = max(longest, len(accumulator.tail))
+    assert len(kept) > 500 and longest < 2 * SETTLING_IDS  # the ids decoded per token stay bounded
+
+
+class _Replies:
+    """A perception stream whose service answers each frame with the given (delta, transcript)."""
+
+    def __init__(self, answers: list[tuple[str, str]]):
+        self.answers = iter(answers)
+
+    def call(self, request):
+        return perception_pb2.PerceptionStreamResponse()
+
+    def send(self, request):
+        from orchestrator.pending import Pending
+
+        delta, whole = next(self.answers)
+        zero = to_proto_np(np.zeros(2, np.float32))
+        return Pending.answered(perception_pb2.PerceptionStreamResponse(frame=perception_pb2.PerceptionFrame(
+            audio_embedding=zero, encoder_output=zero, transcript_delta=delta, transcript=whole)))
+
+
+class _Channel:
+    def __init__(self, stream):
+        self.stream_ = stream
+
+    def stream(self, method):
+        return self.stream_
+
+
+def test_the_perception_client_sums_the_deltas_or_takes_a_whole_transcript():
+    answers = [("", ""), ("Hi", ""), ("", ""), (" there", ""), ("x", "Hi therex"), ("!", "")]
+    stream = GrpcPerceptionStream(_Channel(_Replies(answers)), 16_000)
+    texts = [stream.push(np.zeros(1280, np.float32)).transcript for _ in answers]
+    assert texts == ["", "Hi", "Hi", "Hi there", "Hi therex", "Hi therex!"]
