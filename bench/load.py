@@ -133,8 +133,10 @@ async def _paced(data: bytes, pace: str, duration_s: float, outcome: Outcome):
 
 
 async def grpc_conversation(address: str, conversation: Conversation, *, pace: str = "live",
-                            duration_s: float = math.inf) -> Outcome:
-    outcome = Outcome("grpc")
+                            duration_s: float = math.inf, outcome: Outcome | None = None) -> Outcome:
+    """One conversation over the Converse stream; `outcome` (a fresh one unless given, to watch it meanwhile)
+    fills as the events arrive."""
+    outcome = outcome or Outcome("grpc")
     ready = asyncio.Event()
 
     async def requests():
@@ -282,12 +284,16 @@ async def run_load(*, grpc_address: str | None, realtime_url: str | None, grpc_c
 
 
 @contextlib.contextmanager
-def orchestrator(model: Path, sessions: int, extra: list[str] | None = None) -> Iterator[tuple[str, str]]:
-    """`orchestrator serve` on the model (its services as children) for the block: (gRPC address, realtime URL)."""
+def orchestrator(model: Path, sessions: int, extra: list[str] | None = None,
+                 started: list[subprocess.Popen] | None = None) -> Iterator[tuple[str, str]]:
+    """`orchestrator serve` on the model (its services as children unless `extra` names --services) for the block:
+    (gRPC address, realtime URL). Its process is appended to `started` when given (to watch it meanwhile)."""
     process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--model", str(model),
                                 "--host", "127.0.0.1", "--port", "0", "--realtime-port", "0",
                                 "--max-sessions", str(sessions), "--realtime-max-sessions", str(sessions),
                                 *(extra or [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if started is not None:
+        started.append(process)
     try:
         url = process.stdout.readline().strip().split()[-1:]
         ready = parse_ready_line(process.stdout.readline())
