@@ -3,10 +3,10 @@
 A session keeps its state in cache objects (attention keys and values, Mamba conv tails and SSM states, the
 conformer's and the codec's streaming buffers, the last codes and random keys). A batched step merges the
 sessions' caches into one batch, runs the model over it, and hands each session its rows back; the model files
-only do math on the batch they are given. The cache types are here: `FullCache` (every attention key so far),
-`RingCache` (a sliding window of keys), `MambaCache` (a Mamba layer's conv tail and SSM state); perception's and
-the codec's streaming states are plain arrays the engines batch with `RowSources`. The operations, one per kind
-of state:
+only do math on the batch they are given. The cache types are here: `FullCache` (every attention key so far, or
+with a `Bound` a session's prompt and its last keys), `RingCache` (a sliding window of keys), `MambaCache` (a Mamba
+layer's conv tail and SSM state); perception's and the codec's streaming states are plain arrays the engines batch
+with `RowSources`. The operations, one per kind of state:
 
 - `RowSources`: any per-session array (B rows -> (1, ...) views and back). `split` hands out rows that are views
   of the batched array; `gather` of the same rows is that array again (no copy), of a run of them a view, else
