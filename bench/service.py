@@ -3,7 +3,8 @@
     python -m bench.service {perception,llm,tts,codec} --model DIR [--address HOST:PORT]
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
-                            [--partial N] [--host-split] [--kernels N] [--hold] [--json]
+                            [--partial N] [--host-split] [--kernels N] [--hold] [--memory] [--stack-all]
+                            [--cache-limit-mb MB] [--memory-limit-mb MB] [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -25,6 +26,14 @@ not the device: on a GPU such a step costs about the same for one session as for
 --kernels N (in-process, on a GPU with PyTorch's profiler) records every kernel the measured steps run, timed
 on the device (`bench.kernels`), and reports per K the kernels a step, their time a step and the N costliest.
 
+--memory (in-process, with --no-grpc) reports per K the engine's MLX memory in MiB, over what it held before the
+K sessions opened (`idle`): what the sessions hold once their frames are stepped (`held`, their caches), the most
+held at once during the burst (`peak`, which `mx.get_peak_memory` records), and once they closed, what is still
+held (`left`: should be ~0) and the buffer cache MLX keeps for reuse (`cache`, at most --cache-limit-mb when
+given). --stack-all has speech and the language model stack every session's attention keys as they do on a GPU
+(on the CPU they read each cache in place), so the CPU shows the GPU path's memory. --cache-limit-mb and
+--memory-limit-mb apply the services' flags of those names to this process.
+
 --hold (in-process, one K) keeps K sessions stepping until SIGTERM, as load beside another measurement
 (`bench.contention` runs the other engines so while it times one).
 """
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import sys
@@ -60,6 +70,7 @@ from protos.voicechat.v1 import (
     speech_pb2,
     speech_pb2_grpc,
 )
+from services.common.cli import apply_cache_limit, apply_memory_limit
 from services.common.config import VoiceChatConfig
 from services.common.loading import AS_STORED, LoadOptions, keep_float32_matmuls
 from services.common.metrics import scrape
@@ -202,6 +213,14 @@ class EngineDriver:
                 (s, self._done[id(s)], rng.integers(0, cb, q).astype(np.int32)) for s in live])
         self.engine = engine
 
+    def stack_all(self) -> None:
+        """Stack every attention cache of a batched step, as speech and the language model do on a GPU."""
+        from services.common.cache import STACK_ALL
+
+        if not hasattr(self.engine, "stack_up_to"):
+            raise ValueError("only speech and the language model stack attention caches")
+        self.engine.stack_up_to = STACK_ALL
+
     def precompile(self, max_batch: int) -> None:
         """The batch sizes up to max_batch traced, as a service does at load with --precompile-batches."""
         self.engine.precompile(max_batch)
@@ -226,57 +245,113 @@ class EngineDriver:
             self._done.pop(id(session), None)
 
 
+MIB = 1 << 20
+
+
+class BurstMemory:
+    """MLX's memory around one burst of sessions (bytes): `idle` active before they opened; `held` active once
+    their steps are done, over idle (what the sessions hold); `peak` the most active at once during the burst,
+    over idle; `left` active once they closed, over idle; `cache` the buffer cache then.
+
+        with BurstMemory() as memory:
+            ...open, step and close the sessions...
+        memory.report()   # {"idle_mb": ..., "held_mb": ..., "peak_mb": ..., "left_mb": ..., "cache_mb": ...}
+    """
+
+    def __enter__(self) -> BurstMemory:
+        import mlx.core as mx
+
+        gc.collect()  # what earlier bursts left unreferenced is not the idle level
+        self.idle = mx.get_active_memory()
+        self.held = 0
+        mx.reset_peak_memory()
+        return self
+
+    def stepped(self) -> None:
+        """The sessions' frames are done (they are still open): what they hold now is `held`."""
+        import mlx.core as mx
+
+        self.held = mx.get_active_memory() - self.idle
+
+    def __exit__(self, *exc) -> None:
+        import mlx.core as mx
+
+        gc.collect()
+        self.peak = mx.get_peak_memory() - self.idle
+        self.left = mx.get_active_memory() - self.idle
+        self.cache = mx.get_cache_memory()
+
+    def report(self) -> dict[str, float]:
+        return {f"{name}_mb": getattr(self, name) / MIB for name in ("idle", "held", "peak", "left", "cache")}
+
+
 def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[int], frames: int, warmup: int,
                options: LoadOptions = AS_STORED, partial: int = 0, host_split: bool = False,
-               kernels: int = 0) -> dict[int, dict]:
+               kernels: int = 0, memory: bool = False, stack_all: bool = False) -> dict[int, dict]:
     """The same work on the engine in this process, without gRPC: for each K, K sessions stepped together
     through the engine's batched call (K = 1 is the solo path), with `partial` of them left out of every third
     step (`stepping`). The engine first precompiles the batch sizes up to the largest K, as a service this bench
     starts does. Returns {K: frames/s and per-step latency, and with `partial` per kind of step; with
     `host_split` the medians of where a step's time goes on the host (`host_times`); with `kernels` the
-    device time of the measured steps' kernels and the `kernels` costliest (`bench.kernels.summary`)}."""
+    device time of the measured steps' kernels and the `kernels` costliest (`bench.kernels.summary`); with
+    `memory` the engine's memory around the K sessions (`BurstMemory.report`)}. `stack_all`: every attention
+    cache stacked, as on a GPU (`services.common.cache.STACK_ALL`)."""
     from bench.stages import EvalSplit
 
     recorder = KernelRecorder() if kernels else None  # before the load: a host that cannot record says so at once
     driver = EngineDriver(name, model, config, options)
+    if stack_all:
+        driver.stack_all()
     driver.precompile(max(sessions))
     report = {}
     split = EvalSplit()
     for k in sessions:
-        live = [driver.open() for _ in range(k)]
-        latencies, kinds, frames_stepped, previous = [], [], 0, k
-        host: list[tuple[float, float, float, float]] = []  # per step: Python, launch, wait, thread CPU (ms)
-        with split if host_split else contextlib.nullcontext():
-            for index in range(frames + warmup):
-                members = [live[b] for b in stepping(k, partial, index)]
-                if recorder is not None and index == warmup:
-                    recorder.start()
-                split.take()  # what the step before (a warm-up one, say) left
-                start, cpu = time.perf_counter(), time.thread_time()
-                driver.step(members)
-                wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
-                if index >= warmup:
-                    latencies.append(wall_ms)
-                    frames_stepped += len(members)
-                    kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
-                    if host_split:
-                        launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
-                        host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
-                previous = len(members)
-        recorded = recorder.stop() if recorder is not None else None
-        report[k] = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
-                     "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
-        if host_split:
-            report[k]["host_times"] = {name: percentile([step[i] for step in host], 0.5) for i, name in
-                                       enumerate(("python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"))}
-        if recorded is not None:
-            report[k]["kernels"] = summary(recorded, frames, kernels)
-        if partial:
-            for kind in ("full", "partial", "after_partial"):
-                picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
-                report[k][kind] = {"steps": len(picked), "p50_ms": percentile(picked, 0.5) if picked else None,
-                                   "p95_ms": percentile(picked, 0.95) if picked else None}
-        driver.close(live)
+        with BurstMemory() if memory else contextlib.nullcontext() as burst:
+            report[k] = _burst(driver, k, frames, warmup, partial, host_split, kernels, recorder, split, burst)
+        if burst is not None:
+            report[k]["memory"] = burst.report()
+    return report
+
+
+def _burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: int, host_split: bool, kernels: int,
+           recorder: KernelRecorder | None, split, burst: BurstMemory | None) -> dict:
+    """`in_process` for one K: its sessions opened, stepped and closed."""
+    live = [driver.open() for _ in range(k)]
+    latencies, kinds, frames_stepped, previous = [], [], 0, k
+    host: list[tuple[float, float, float, float]] = []  # per step: Python, launch, wait, thread CPU (ms)
+    with split if host_split else contextlib.nullcontext():
+        for index in range(frames + warmup):
+            members = [live[b] for b in stepping(k, partial, index)]
+            if recorder is not None and index == warmup:
+                recorder.start()
+            split.take()  # what the step before (a warm-up one, say) left
+            start, cpu = time.perf_counter(), time.thread_time()
+            driver.step(members)
+            wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
+            if index >= warmup:
+                latencies.append(wall_ms)
+                frames_stepped += len(members)
+                kinds.append("partial" if len(members) < k else "after_partial" if previous < k else "full")
+                if host_split:
+                    launch_ms, wait_ms = (seconds * 1000.0 for seconds in split.take())
+                    host.append((wall_ms - launch_ms - wait_ms, launch_ms, wait_ms, cpu_ms))
+            previous = len(members)
+    recorded = recorder.stop() if recorder is not None else None
+    if burst is not None:
+        burst.stepped()
+    report = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
+              "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+    if host_split:
+        report["host_times"] = {name: percentile([step[i] for step in host], 0.5) for i, name in
+                                enumerate(("python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"))}
+    if recorded is not None:
+        report["kernels"] = summary(recorded, frames, kernels)
+    if partial:
+        for kind in ("full", "partial", "after_partial"):
+            picked = [ms for ms, what in zip(latencies, kinds, strict=True) if what == kind]
+            report[kind] = {"steps": len(picked), "p50_ms": percentile(picked, 0.5) if picked else None,
+                            "p95_ms": percentile(picked, 0.95) if picked else None}
+    driver.close(live)
     return report
 
 
@@ -367,8 +442,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process (--no-grpc), one session count: keep its sessions stepping, fresh ones "
                              "every --frames steps, until SIGTERM or SIGINT, as load beside another measurement "
                              f"(bench.contention); prints a line starting '{HOLDING}' once past --warmup steps")
+    parser.add_argument("--memory", action="store_true",
+                        help="in-process (--no-grpc): the engine's MLX memory per K: held by the sessions, peak during "
+                             "the burst, left once they closed, and the buffer cache then")
+    parser.add_argument("--stack-all", action="store_true",
+                        help="in-process (--no-grpc), tts and llm: stack every attention cache of a batch as on a GPU "
+                             "(the CPU reads them in place), to see the GPU path's memory on the CPU")
+    parser.add_argument("--cache-limit-mb", type=float, metavar="MB",
+                        help="in-process: MLX's buffer cache bound, as the services' flag")
+    parser.add_argument("--memory-limit-mb", type=float, metavar="MB",
+                        help="in-process: MLX's memory limit, as the services' flag")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if (args.memory or args.stack_all) and args.grpc:
+        parser.error("--memory and --stack-all need --no-grpc (they measure the engine in this process)")
+    if args.stack_all and args.service not in ("tts", "llm"):
+        parser.error("--stack-all: only tts and llm stack attention caches")
+    apply_cache_limit(args.cache_limit_mb)
+    apply_memory_limit(args.memory_limit_mb)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
         parser.error(f"--partial {args.partial}: needs --no-grpc and fewer than the smallest session count "
                      f"({min(args.sessions)})")
@@ -419,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             stop([child])
     try:
         local = (in_process(args.service, args.model, config, args.sessions, args.frames, args.warmup, options,
-                            args.partial, args.host_split, args.kernels)
+                            args.partial, args.host_split, args.kernels, args.memory, args.stack_all)
                  if args.in_process else {})
     except KernelRecorderError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -439,16 +530,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.grpc:
         kinds = ("full", "partial", "after_partial") if args.partial else ()
         host = ("Python", "launch", "device wait", "thread CPU") if args.host_split else ()
+        memory = ("idle", "held", "peak", "left", "cache") if args.memory else ()
         print("| sessions | in-process frames/s | in-process p50 / p95 ms |"
               + "".join(f" {kind.replace('_', ' ')}: steps, p50 / p95 ms |" for kind in kinds)
-              + "".join(f" {name} p50 ms |" for name in host))
-        print("| --- | --- | --- |" + " --- |" * (len(kinds) + len(host)))
+              + "".join(f" {name} p50 ms |" for name in host) + "".join(f" {name} MiB |" for name in memory))
+        print("| --- | --- | --- |" + " --- |" * (len(kinds) + len(host) + len(memory)))
         for row in rows:
             p = row["in_process"]
             split = "".join(f" {p[kind]['steps']}, {_ms(p[kind])} |" for kind in kinds)
             times = "".join(f" {ms:.2f} |" for ms in p["host_times"].values()) if host else ""
+            held = "".join(f" {p['memory'][f'{name}_mb']:.2f} |" for name in memory)
             print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
-                  f"{p['latency_p95_ms']:.2f} |{split}{times}")
+                  f"{p['latency_p95_ms']:.2f} |{split}{times}{held}")
         for row in rows:
             if "kernels" in row["in_process"]:
                 print(f"\n{row['sessions']} sessions: " + "\n".join(kernel_table(row["in_process"]["kernels"])))

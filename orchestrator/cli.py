@@ -33,6 +33,7 @@ from orchestrator.connect import (
     ServiceError,
     UsageError,
     add_connection_flags,
+    batch_flags,
     connect,
     connection_from_args,
     reconnected,
@@ -370,7 +371,11 @@ def serve(args: argparse.Namespace) -> int:
     exposition = start_from_args(metrics, args)  # bound before the services start: fails at once
     children: list = []  # the services started here (none with --services or --in-process): supervised
     try:
-        with connect_streams(model, **connection_from_args(args), children=children) as clients:
+        connection = connection_from_args(args)
+        # the services batch up to every conversation the server admits (gRPC and realtime), not 16 of them
+        sessions = args.max_sessions + (0 if args.no_realtime else args.realtime_max_sessions)
+        connection["flags"] = batch_flags(connection["flags"], sessions, connection["replicas"])
+        with connect_streams(model, **connection, children=children) as clients:
             supervisor = Supervisor(children, connected=reconnected(clients)) if children else None
             realtime = None
             if not args.no_realtime:

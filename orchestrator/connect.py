@@ -19,6 +19,7 @@ from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_cl
 from orchestrator.launcher import REPLICA, SERVICES, LaunchError, ServiceProcess, grpc_target, launched
 from orchestrator.placement import check_environment, describe, parse_gpus, service_gpus
 from orchestrator.timeline import Clients
+from services.common.batching import DEFAULT_MAX_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,20 @@ def service_replicas(entries: list[tuple[str, int]] | None, gpus: dict[str, list
     that --replicas leaves out runs one process per GPU of its placement (`gpus`, from --gpus), else one."""
     given = dict(_per_service(entries))
     return {name: given.get(name, len((gpus or {}).get(name, ())) or 1) for name in SERVICES}
+
+
+def batch_flags(flags: dict[str, list[str]], sessions: int, replicas: dict[str, int]) -> dict[str, list[str]]:
+    """Each started service's flags with `--max-batch` first: its replicas' share of the server's `sessions`
+    (at least the services' own default), so every conversation's step can join one batch; a `--max-batch` in
+    the service's own flags comes after and wins.
+
+    >>> batch_flags({"tts": ["--precompile-batches", "32"]}, 32, {"tts": 1})
+    {'tts': ['--max-batch', '32', '--precompile-batches', '32']}
+    >>> batch_flags({"tts": [], "llm": []}, 8, {"tts": 1, "llm": 1})
+    {'tts': ['--max-batch', '16'], 'llm': ['--max-batch', '16']}
+    """
+    return {name: ["--max-batch", str(max(DEFAULT_MAX_BATCH, -(-sessions // replicas.get(name, 1)))), *own]
+            for name, own in flags.items()}
 
 
 def _per_service(entries: list[tuple[str, object]] | None) -> Iterator[tuple[str, object]]:

@@ -1,7 +1,8 @@
 """The command line shared by the services' `__main__`:
 
     python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
-                             [--cache-limit-mb MB] [--log-level L] [--metrics-port N] [--metrics-host H]
+                             [--cache-limit-mb MB] [--memory-limit-mb MB] [--log-level L] [--metrics-port N]
+                             [--metrics-host H]
 
 --model defaults to $VOICECHAT_MODEL, else the demo checkpoint (tiny, random weights; see orchestrator.model).
 Once the model has loaded and health says SERVING, the process prints `listening on HOST:PORT` (flushed) to
@@ -124,6 +125,16 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "limit). Batched steps grow the cache: several services sharing one GPU may need it bounded",
     )
     parser.add_argument(
+        "--memory-limit-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="when the arrays in use pass this many MiB, an engine step waits for the device work already queued "
+        "to finish (and free its temporary buffers) before queuing more (MLX's memory limit; default MLX's own, "
+        "about the device's memory). Bounds a burst's peak on a GPU, where a step's temporaries otherwise live "
+        "until its queued work completes; it is a guideline: a step that needs more still gets it",
+    )
+    parser.add_argument(
         "--step-log",
         type=Path,
         default=None,
@@ -194,6 +205,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--max-context {args.max_context}: must be 0 (no bound) or more")
     if args.cache_limit_mb is not None and not 0 <= args.cache_limit_mb < 2**40:
         parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
+    if args.memory_limit_mb is not None and not 0 < args.memory_limit_mb < 2**40:
+        parser.error(f"--memory-limit-mb {args.memory_limit_mb}: must be more than zero")
     return args
 
 
@@ -203,6 +216,15 @@ def apply_cache_limit(limit_mb: float | None) -> None:
         import mlx.core as mx
 
         mx.set_cache_limit(int(limit_mb * (1 << 20)))
+
+
+def apply_memory_limit(limit_mb: float | None) -> None:
+    """Set MLX's memory limit (--memory-limit-mb): past it, evaluation waits for queued device work to complete
+    before queuing more, on every backend; None leaves MLX's default."""
+    if limit_mb is not None:
+        import mlx.core as mx
+
+        mx.set_memory_limit(int(limit_mb * (1 << 20)))
 
 
 def configure_logging(level: str) -> None:
@@ -266,6 +288,7 @@ def run_service(
     args = parse_args(parser, argv)
     configure_logging(args.log_level)
     apply_cache_limit(args.cache_limit_mb)
+    apply_memory_limit(args.memory_limit_mb)
     spec: ServiceSpec | None = None
     exposition: MetricsServer | None = None
     try:
