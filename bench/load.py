@@ -2,7 +2,8 @@
 
     python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
                          [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH]
-                         [--latency-budget-ms MS] [--json]
+                         [--latency-budget-ms MS] [--memory] [--service-metrics NAME=URL ...]
+                         [--serve-flags FLAGS] [--repeat N] [--json]
 
 Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
 stopped after. Each conversation sends S seconds of speech (the input looped, each conversation from its own
@@ -18,6 +19,16 @@ chunk sent + i x 80 ms), p50/p95/max), jitter (mean |gap - 80 ms|), deadline mis
 last 5 s minus its first 5 s; the conversations' mean and largest). `--timeline PATH` also writes
 when each conversation sent its first chunk and received each audio frame (seconds from the run's start, JSON,
 with the start's `time.monotonic()`), to line up with the services' `--step-log` (`python -m bench.timeline`).
+
+Memory: `--memory` starts the orchestrator's services with metrics on free ports and reports each service's MLX
+memory (`voicechat_memory_bytes`, MiB) before the run and after it (every conversation closed): `active` (arrays
+held: back at its level before once the conversations closed), `cache` (freed buffers kept, at most the
+service's --cache-limit-mb) and `peak` (the most ever active in the process). `--service-metrics NAME=URL` names
+the /metrics of a running orchestrator's services instead. `--serve-flags` passes flags to the orchestrator this
+starts (e.g. "--service-flags all=--precompile-batches=32"); `--repeat N` runs the same load N times on one
+server, each reported, so a second burst's memory shows beside the first's:
+
+    python -m bench.load --model DIR --grpc 32 --ws 0 --pace burst --memory --repeat 2
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import base64
 import contextlib
 import json
 import math
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +58,7 @@ from orchestrator.profile import percentile
 from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc
 from services.common.cli import parse_ready_line
+from services.common.metrics import scrape
 from services.common.tensors import from_proto_np
 
 FRAME = 1280  # samples per 80 ms frame at 16 kHz
@@ -311,6 +325,50 @@ def orchestrator(model: Path, sessions: int, extra: list[str] | None = None,
                 process.wait()
 
 
+SERVICES = ("perception", "llm", "tts", "codec")
+MEMORY_KINDS = ("active", "cache", "peak")
+
+
+def service_memory(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each service's MLX memory now, MiB by kind (`voicechat_memory_bytes`), from its /metrics URL."""
+    memory = {}
+    for name, url in urls.items():
+        page = scrape(url)
+        memory[name] = {kind: page[("voicechat_memory_bytes", frozenset({("service", name), ("kind", kind)}))]
+                        / (1 << 20) for kind in MEMORY_KINDS}
+    return memory
+
+
+def parse_service_metrics(text: str) -> tuple[str, str]:
+    """`tts=http://127.0.0.1:9103/metrics` -> ("tts", the URL)."""
+    name, sep, url = text.partition("=")
+    if name not in SERVICES or not sep or not url.startswith("http"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=http://HOST:PORT/metrics with NAME one of "
+                                         f"{', '.join(SERVICES)}")
+    return name, url
+
+
+def metrics_flags() -> tuple[list[str], dict[str, str]]:
+    """`orchestrator serve` flags giving each service a metrics port (free now), and their /metrics URLs."""
+    flags, urls = [], {}
+    for name in SERVICES:
+        with socket.socket() as probe:  # a port free now; the service binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        flags += ["--service-flags", f"{name}=--metrics-port={port}"]
+        urls[name] = f"http://127.0.0.1:{port}/metrics"
+    return flags, urls
+
+
+def print_memory(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> None:
+    """| service | active before | active after | cache after | peak after | (MiB)"""
+    print("| service | active before MiB | active after MiB | cache after MiB | peak after MiB |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, now in after.items():
+        print(f"| {name} | {before[name]['active']:.1f} | {now['active']:.1f} | {now['cache']:.1f} | "
+              f"{now['peak']:.1f} |")
+
+
 def print_table(report: LoadReport) -> None:
     rows = report.rows()
     keys = list(next(iter(rows.values()), {}))
@@ -348,8 +406,19 @@ def main(argv: list[str] | None = None) -> int:
                              "starting together)")
     parser.add_argument("--timeline", type=Path, help="write each conversation's send and arrival times (JSON)")
     add_budget_flag(parser)
+    parser.add_argument("--memory", action="store_true",
+                        help="report each service's MLX memory before and after the run (the services of the "
+                             "orchestrator this starts get metrics ports)")
+    parser.add_argument("--service-metrics", type=parse_service_metrics, action="append", metavar="NAME=URL",
+                        help="a running service's /metrics URL, for --memory against --address (repeatable)")
+    parser.add_argument("--serve-flags", default="", metavar="FLAGS",
+                        help="more flags for the orchestrator this starts (one string, split as a shell does)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run the load N times on one server, each reported (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
         parser.error("--grpc and --ws must be >= 0 and not both 0")
     if not args.seconds > 0 or not args.duration > 0:
@@ -366,22 +435,40 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks[: args.grpc],
                                     ws_conversations=talks[args.grpc :], pace=args.pace, duration_s=args.duration))
 
-    if not start_one:
-        report = run(args.address, args.realtime)
-    else:
-        with orchestrator(args.model, max(args.grpc, args.ws)) as (address, url):
+    metrics = dict(args.service_metrics or [])
+    extra = shlex.split(args.serve_flags)
+    if args.memory and start_one:
+        flags, started = metrics_flags()
+        extra += flags
+        metrics = {**started, **metrics}
+    if args.memory and not metrics:
+        parser.error("--memory against a running orchestrator needs its services' --service-metrics NAME=URL")
+    with (orchestrator(args.model, max(args.grpc, args.ws), extra) if start_one
+          else contextlib.nullcontext((None, None))) as (address, url):
+        ok = True
+        for _ in range(args.repeat):
+            before = service_memory(metrics) if args.memory else {}
             report = run(args.address or address, args.realtime or url)
+            memory = service_memory(metrics) if args.memory else {}
+            ok = show(report, args, before, memory) and ok
+    return 0 if ok else 1
+
+
+def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dict) -> bool:
+    """Print one run's report (and the services' memory around it); whether every conversation ended cleanly."""
     report.settle_frames = round(args.settle_seconds / FRAME_S)
     report.budget_s = args.latency_budget_s
     if args.timeline is not None:
         args.timeline.write_text(json.dumps(report.timeline()))
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
-                          "transports": report.rows()}, indent=2))
+                          "transports": report.rows(), **({"memory_mb": {"before": before, "after": memory}}
+                                                          if memory else {})}, indent=2))
     else:
         print_table(report)
-    return 0 if all(not o.errors and o.done and not o.lost for o in report.outcomes) else 1
-
+        if memory:
+            print_memory(before, memory)
+    return all(not o.errors and o.done and not o.lost for o in report.outcomes)
 
 if __name__ == "__main__":
     sys.exit(main())
