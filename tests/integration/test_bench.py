@@ -288,3 +288,21 @@ def test_matmul_bench_needs_a_cuda_device(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(split_matmul, "available", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         matmuls.main(["--model", str(tiny_checkpoint)])
+
+
+def test_service_bench_reports_a_bursts_memory(tiny_checkpoint, capsys):
+    previous = mx.set_cache_limit(1 << 40)  # the bench's --cache-limit-mb is the process's: restored after
+    try:
+        assert service.main(["tts", "--model", str(tiny_checkpoint), "--sessions", "2", "--frames", "3",
+                             "--warmup", "0", "--no-grpc", "--memory", "--stack-all", "--cache-limit-mb", "2",
+                             "--json"]) == 0
+    finally:
+        mx.set_cache_limit(previous)
+    memory = json.loads(capsys.readouterr().out)["runs"][0]["in_process"]["memory"]
+    # two tiny sessions hold about 1.9 MiB of attention caches; closed, they leave ~nothing; the cache is bounded
+    assert 1.5 < memory["held_mb"] < 2.5 and memory["peak_mb"] >= memory["held_mb"]
+    assert abs(memory["left_mb"]) < 0.3 and memory["cache_mb"] <= 2.0 and memory["idle_mb"] > 0
+    with pytest.raises(SystemExit):  # the engine in this process only
+        service.main(["tts", "--model", str(tiny_checkpoint), "--memory"])
+    with pytest.raises(SystemExit):  # perception and the codec stack no attention caches
+        service.main(["codec", "--model", str(tiny_checkpoint), "--no-grpc", "--stack-all"])

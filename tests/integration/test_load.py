@@ -4,6 +4,7 @@ its solo run (the same input and seed alone on the same server); the two transpo
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -194,3 +195,21 @@ def test_the_duplex_latency_reaches_the_json_and_the_orchestrators_histograms(ti
     # misses past the 100 ms budget: exactly the latencies above the 0.1 bucket
     late = 50 - sample(page, "voicechat_frame_latency_seconds_bucket", le="0.1")
     assert sample(page, "voicechat_deadline_misses_total") == late
+
+
+def test_the_load_bench_reads_each_services_memory_from_its_metrics(capsys):
+    import mlx.core as mx
+
+    from bench.load import parse_service_metrics, print_memory, service_memory
+    from services.common.metrics import Metrics
+
+    with Metrics("tts").serve(0, "127.0.0.1") as server:
+        assert parse_service_metrics(f"tts={server.url}") == ("tts", server.url)
+        memory = service_memory({"tts": server.url})
+    assert memory["tts"]["active"] == pytest.approx(mx.get_active_memory() / (1 << 20), rel=0.1)
+    assert set(memory["tts"]) == {"active", "cache", "peak"} and memory["tts"]["peak"] >= memory["tts"]["active"]
+    print_memory({"tts": {"active": 1.0}}, {"tts": {"active": 2.0, "cache": 3.0, "peak": 4.5}})
+    assert capsys.readouterr().out.splitlines()[2] == "| tts | 1.0 | 2.0 | 3.0 | 4.5 |"
+    for bad in ("speech=http://x/metrics", "tts:http://x", "tts=ftp://x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_service_metrics(bad)
