@@ -439,7 +439,8 @@ class RingCache(GroupedCache):
 
     def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self._keys is None:
-            self._keys, self._values = keys, values
+            # its own copies: a view (values sliced from a fused projection) would hold that whole buffer
+            self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
         else:
             self._keys, self._values = self._in_time_order(self._keys), self._in_time_order(self._values)
             drop = max(self._keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
