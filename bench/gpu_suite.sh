@@ -18,8 +18,9 @@
 #              the language model's float32 x bf16 products at 1 and SESSIONS rows, the split-matmul kernel
 #              against cuBLAS's float32 GEMM, shape by shape, with their accuracy (bench.matmuls)
 #   live       SESSIONS and 1 conversations through `orchestrator serve` at each of PACES (bench.load, its
-#              timeline kept); after each, every service's batch sizes and memory from its /metrics (ports
-#              9101-9104), and its steps in the run beside the clients' intervals (bench.timeline of each
+#              timeline kept, and each service's memory before and after: --memory); after each, every
+#              service's batch sizes and memory from its /metrics (ports 9101-9104), and its steps in the
+#              run beside the clients' intervals (bench.timeline of each
 #              service's --step-log)
 #   contention each engine at SESSIONS sessions alone, then beside the other three stepping as many in processes
 #              of their own (bench.contention, the many-conversation configuration; under MPS with MPS=1): how
@@ -162,6 +163,7 @@ metrics=(perception=1 llm=2 tts=3 codec=4)  # metrics port 91R<n> for replica R 
 declare -A replicas=()
 for entry in ${REPLICAS:-}; do replicas[${entry%=*}]=${entry#*=}; serve_flags="$serve_flags --replicas $entry"; done
 steps_of=""  # each service's (each replica's) --step-log, read with each run's timeline by bench.timeline
+memory=""  # bench.load's memory table of each service started as one process: before and after each run
 ports=()
 for entry in "${metrics[@]}"; do
   name=${entry%=*}
@@ -170,6 +172,7 @@ for entry in "${metrics[@]}"; do
   if [ "$count" = 1 ]; then
     serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name.jsonl"
     steps_of="$steps_of --steps $name=$out/steps-$name.jsonl"
+    memory="$memory --service-metrics $name=http://127.0.0.1:910${entry#*=}/metrics"
   else  # round robin gives each replica its share of the sessions: only those batch sizes compiled at load
     serve_flags="$serve_flags --service-flags $name=--step-log=$out/steps-$name-{replica}.jsonl"
     share=$(( (sessions + count - 1) / count ))
@@ -201,8 +204,10 @@ done
 if [ $ready -eq 1 ]; then
   for pace in ${PACES:-live}; do
     for k in ${COUNTS:-$sessions 1}; do
+      # shellcheck disable=SC2086  # $memory is a list of flags
       step "$pace-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
-        --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json"
+        --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" \
+        ${memory:+--memory $memory}
       scrape "$pace-$k"
       # shellcheck disable=SC2086  # a list of flags
       "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \

@@ -307,13 +307,13 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
     split = EvalSplit()
     for k in sessions:
         with BurstMemory() if memory else contextlib.nullcontext() as burst:
-            report[k] = _burst(driver, k, frames, warmup, partial, host_split, kernels, recorder, split, burst)
+            report[k] = run_burst(driver, k, frames, warmup, partial, host_split, kernels, recorder, split, burst)
         if burst is not None:
             report[k]["memory"] = burst.report()
     return report
 
 
-def _burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: int, host_split: bool, kernels: int,
+def run_burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: int, host_split: bool, kernels: int,
            recorder: KernelRecorder | None, split, burst: BurstMemory | None) -> dict:
     """`in_process` for one K: its sessions opened, stepped and closed."""
     live = [driver.open() for _ in range(k)]

@@ -70,12 +70,14 @@ class RowSources:
         again = sources.gather(rows)           # the same array, no copy; a run of it a view; else one take
         order = sources.arrange(rows[::-1])    # [2, 1, 0]: the order in which gather copies nothing
 
-    With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers, speech's keys). A
-    user calls `keep` with the rows its sessions still hold now and then, so rows it dropped are forgotten.
+    With `squeeze` the rows are (...) rather than (1, ...) (the mel streams' sample buffers, speech's keys). Rows
+    are held weakly: once no session holds any row of a batched array, that array is let go (a closed session's
+    state does not outlive it here). `keep` forgets the rows a user no longer counts on sooner.
     """
 
     def __init__(self):
-        self._rows: dict[int, tuple[mx.array, mx.array, int]] = {}  # id(row) -> (row, batched, index)
+        # id(row) -> (a weak reference to row, batched, index)
+        self._rows: dict[int, tuple[weakref.ref, mx.array, int]] = {}
 
     def split(self, batched: mx.array, squeeze: bool = False) -> list[mx.array]:
         # views, made in one call (half the host time of a slice per row, which a step of 16 sessions on the full
@@ -84,8 +86,13 @@ class RowSources:
         if squeeze:
             rows = [row.squeeze(0) for row in rows]
         for b, row in enumerate(rows):
-            self._rows[id(row)] = (row, batched, b)
+            self._rows[id(row)] = (weakref.ref(row, functools.partial(self._forget, id(row))), batched, b)
         return rows
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """A row died: drop its entry (and with the batched array's last row, the array)."""
+        if self._rows.get(key, (None,))[0] is ref:
+            del self._rows[key]
 
     def gather(self, rows: list[mx.array], squeeze: bool = False) -> mx.array:
         """rows: B arrays (1, ...) (with squeeze, (...)) of one shape -> (B, ...)."""
@@ -94,7 +101,7 @@ class RowSources:
         index = []
         for row in rows:
             known = self._rows.get(id(row))
-            if known is not None and known[0] is row:
+            if known is not None and known[0]() is row:
                 source, b = known[1], known[2]
             else:
                 source, b = (row[None] if squeeze else row), 0
@@ -112,7 +119,7 @@ class RowSources:
     def source_of(self, row: mx.array) -> tuple[mx.array, int] | None:
         """The batched array `row` is a view of and its index there, when `split` made it."""
         known = self._rows.get(id(row))
-        return (known[1], known[2]) if known is not None and known[0] is row else None
+        return (known[1], known[2]) if known is not None and known[0]() is row else None
 
     def arrange(self, rows: list[mx.array]) -> list[int]:
         """An order of `rows` (positions) that `gather` takes with the fewest copies: the rows of each batched
