@@ -314,7 +314,7 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
 
 
 def run_burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: int, host_split: bool, kernels: int,
-           recorder: KernelRecorder | None, split, burst: BurstMemory | None) -> dict:
+              recorder: KernelRecorder | None, split, burst: BurstMemory | None) -> dict:
     """`in_process` for one K: its sessions opened, stepped and closed."""
     live = [driver.open() for _ in range(k)]
     latencies, kinds, frames_stepped, previous = [], [], 0, k
