@@ -23,6 +23,7 @@ from services.common.batching import raise_first
 from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
 from services.common.errors import LimitExceeded
+from services.common.snapshot import Snapshot, State
 
 DEFAULT_MAX_FRAMES = 4096  # about 5.5 minutes of audio per unary call
 
@@ -227,6 +228,27 @@ class DecodeStream:
         self.engine = engine
         self.state = DecodeState()
         self.next_frame = 0
+
+    def snapshot(self) -> State:
+        """The stream's whole state (`services.common.snapshot`): its frame counters and causal context (each
+        decoder block's tail, the spectral frames), the context rows read in place."""
+        state: State = {"next_frame": self.next_frame, "frames_decoded": self.state.frames_decoded}
+        state.update({f"tails.{index}": tail for index, tail in self.state.block_tails.items()})
+        state.update({name: a for name in ("spec_real", "spec_imag") if (a := getattr(self.state, name)) is not None})
+        return state
+
+    @classmethod
+    def restored(cls, engine: CodecEngine, snapshot: Snapshot) -> DecodeStream:
+        """A stream holding the state `snapshot` gave."""
+        stream = cls(engine)
+        stream.next_frame = snapshot.int("next_frame")
+        state = stream.state
+        state.frames_decoded = snapshot.int("frames_decoded")
+        if state.frames_decoded:
+            state.block_tails = {index: snapshot.array(f"tails.{index}") for index in engine.codec.decoder_blocks}
+            state.spec_real, state.spec_imag = snapshot.array("spec_real"), snapshot.array("spec_imag")
+        mx.eval(state.arrays())
+        return stream
 
     def decode_frame(self, frame_index: int, codes: np.ndarray) -> np.ndarray:
         """codes: (Q,) int for frame `frame_index` (0, 1, 2, ... in order) -> samples (1764,) float32."""

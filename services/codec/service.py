@@ -13,14 +13,23 @@ from pathlib import Path
 
 import numpy as np
 
-from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
+from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc, snapshot_pb2
 from services.codec.engine import DEFAULT_MAX_FRAMES, CodecEngine, DecodeStream
-from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
+from services.common.batching import (
+    BatchOptions,
+    StepBatcher,
+    answer_snapshots,
+    is_snapshot,
+    pipelined,
+    run_entries,
+    session_of,
+)
 from services.common.cli import ServiceSpec
 from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
+from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto_np
 
 SERVICE_NAME = full_service_name(codec_pb2, "CodecService")
@@ -38,7 +47,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._decode_frames, batching or BatchOptions(),
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
-                                                key=session_of)
+                                                key=session_of, reads=is_snapshot)
 
     @property
     def engine(self) -> CodecEngine:
@@ -75,7 +84,11 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
         if first is None or first.WhichOneof("payload") != "open":
             raise ValueError("the first DecodeStream message must be `open`")
         engine = self.engine
-        stream = engine.open_stream()
+        snapshot = await restoring(first.open.restore, request_iterator)
+        if snapshot is None:
+            stream = engine.open_stream()
+        else:
+            stream = await self.engine_thread.run(DecodeStream.restored, engine, snapshot)
         self.live_sessions += 1
         try:
             yield codec_pb2.CodecDecodeStreamResponse(
@@ -86,20 +99,27 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
 
             async def decode(request: codec_pb2.CodecDecodeStreamRequest) -> codec_pb2.CodecDecodeStreamResponse:
                 started = time.perf_counter()
+                if request.WhichOneof("payload") == "snapshot":
+                    return await snapshot_answers(self.batcher, stream, _snapshot_part)
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError("after `open`, every DecodeStream message must be a `frame`")
                 response = await self.batcher.submit((stream, request.frame))
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, decode, self.batcher.read_ahead):
+            async for response in flattened(pipelined(request_iterator, decode, self.batcher.read_ahead)):
                 yield response
         finally:
             self.live_sessions -= 1
 
     def _decode_frames(self, entries: list[tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput]]) -> list:
         """Concurrent streams' frames as one batch, on the engine thread."""
-        return run_entries(entries, _decode_arguments, self.engine.decode_batch, _decoded_response)
+        return answer_snapshots(entries, take_snapshot, lambda frames: run_entries(
+            frames, _decode_arguments, self.engine.decode_batch, _decoded_response))
+
+
+def _snapshot_part(part: snapshot_pb2.SnapshotPart) -> codec_pb2.CodecDecodeStreamResponse:
+    return codec_pb2.CodecDecodeStreamResponse(snapshot=part)
 
 
 def _decode_arguments(entry: tuple[DecodeStream, codec_pb2.CodecDecodeFrameInput]) -> tuple:

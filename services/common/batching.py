@@ -19,6 +19,11 @@ submitted as soon as it has arrived, while its last step still runs, and the bat
 `session_of`) keeps one step of each session per batch, in order. So the next batch is formed the moment the
 last one ends, from the steps queued meanwhile, instead of after every handler has written its answer and read
 its next request.
+
+A session's snapshot request (`SNAPSHOT` in place of its step) queues in order with its steps but is a read, not a
+step: a batch takes it, ahead of the session's next step, without giving it a slot of its own, and the services'
+batched calls answer it before they run the batch's steps (`answer_snapshots`), so the session stays in the same
+batch as its neighbours.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from services.common.engine_thread import EngineThread
 from services.common.steplog import StepLog
@@ -84,7 +89,8 @@ class StepBatcher(Generic[Entry, Result]):
                  max_batch: int = DEFAULT_MAX_BATCH, on_batch: Callable[[int], None] | None = None,
                  sessions: Callable[[], int] | None = None, gather_s: float = DEFAULT_GATHER_S,
                  precompile: int = 0, step_log: StepLog | None = None,
-                 key: Callable[[Entry], Hashable] | None = None, read_ahead: int = 0) -> None:
+                 key: Callable[[Entry], Hashable] | None = None, read_ahead: int = 0,
+                 reads: Callable[[Entry], bool] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= gather_s < 1:
@@ -99,6 +105,7 @@ class StepBatcher(Generic[Entry, Result]):
         self.step_log = step_log
         self.key = key
         self.read_ahead = read_ahead  # for the handlers that submit here (`pipelined(..., batcher.read_ahead)`)
+        self.reads = reads  # keyed entries that read their session (a snapshot) rather than step it
         self._waiting: list[tuple[Entry, asyncio.Future[Result]]] = []
         self._arrived = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
@@ -110,9 +117,10 @@ class StepBatcher(Generic[Entry, Result]):
                      run_batch: Callable[[list[Entry]], Sequence[Result | BaseException]], options: BatchOptions,
                      on_batch: Callable[[int], None] | None = None,
                      sessions: Callable[[], int] | None = None,
-                     key: Callable[[Entry], Hashable] | None = None) -> StepBatcher[Entry, Result]:
+                     key: Callable[[Entry], Hashable] | None = None,
+                     reads: Callable[[Entry], bool] | None = None) -> StepBatcher[Entry, Result]:
         return cls(engine_thread, run_batch, options.max_batch, on_batch, sessions, options.gather_s,
-                   options.precompile, options.step_log, key, options.read_ahead)
+                   options.precompile, options.step_log, key, options.read_ahead, reads)
 
     async def precompile(self, precompile: Callable[[int], None]) -> None:
         """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
@@ -175,19 +183,26 @@ class StepBatcher(Generic[Entry, Result]):
 
     def _take(self) -> list[tuple[Entry, asyncio.Future[Result]]]:
         """The next batch, taken from the queue: at most max_batch steps in their order, one per session when
-        steps are keyed (a session's later steps stay queued), callers cancelled meanwhile dropped."""
+        steps are keyed (a session's later steps stay queued, and the reads queued before its step come along,
+        taking no slot), callers cancelled meanwhile dropped."""
         live = [(entry, future) for entry, future in self._waiting if not future.done()]
         if self.key is None:
             batch, self._waiting = live[: self.max_batch], live[self.max_batch :]
             return batch
-        batch, self._waiting, taken = [], [], set()
+        batch, self._waiting, taken, steps = [], [], set(), 0
         for entry, future in live:
             session = self.key(entry)
-            if len(batch) < self.max_batch and session not in taken:
-                taken.add(session)
+            if session in taken:  # its step is in this batch or waits for the next: the rest come after it
+                self._waiting.append((entry, future))
+            elif self.reads is not None and self.reads(entry):
                 batch.append((entry, future))
             else:
-                self._waiting.append((entry, future))
+                taken.add(session)
+                if steps < self.max_batch:
+                    steps += 1
+                    batch.append((entry, future))
+                else:
+                    self._waiting.append((entry, future))
         return batch
 
     def _sessions_waiting(self) -> int:
@@ -303,6 +318,35 @@ async def pipelined(requests: AsyncIterator[Request], start: Callable[[Request],
 
 
 _END = object()
+
+
+SNAPSHOT = object()  # an entry's request that asks for its session's state (`answer_snapshots`)
+
+
+def is_snapshot(entry: tuple) -> bool:
+    """The batcher `reads` of the services' entries: a `(session, SNAPSHOT)` entry."""
+    return entry[1] is SNAPSHOT
+
+
+def answer_snapshots(entries: Sequence[tuple], snapshot: Callable[[Any], Any],
+                     run: Callable[[list[tuple]], Sequence[Result | BaseException]]) -> list[Result | BaseException]:
+    """A service's batched call with its snapshot entries: each `(session, SNAPSHOT)` answered by
+    `snapshot(session)` first (the batcher takes a session's snapshot only ahead of its step in the batch), then
+    `run` of the other entries, as one batch."""
+    results: list = [None] * len(entries)
+    steps = []
+    for i, entry in enumerate(entries):
+        if not is_snapshot(entry):
+            steps.append(i)
+            continue
+        try:
+            results[i] = snapshot(entry[0])
+        except Exception as error:  # noqa: BLE001 - this entry's own error
+            results[i] = error
+    if steps:
+        for i, result in zip(steps, run([entries[i] for i in steps]), strict=True):
+            results[i] = result
+    return results
 
 
 def raise_first(results: Sequence[object]) -> None:

@@ -48,10 +48,13 @@ import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from services.common.snapshot import Snapshot
 
 
 @functools.lru_cache(maxsize=8)
@@ -192,6 +195,39 @@ class GroupedCache(abc.ABC):
     @abc.abstractmethod
     def plan_one(self) -> Plan:
         """Where this cache's next single key goes and what it sees then, as its own update would do it."""
+
+    # ---- snapshots: the keys it holds and its counters (a subclass with more counters extends both hooks) ----
+
+    def held(self) -> int:
+        """How many keys at the front of its buffer hold state: those written, or the whole of a full ring."""
+        return min(self.offset, self.capacity)
+
+    def counters(self) -> dict[str, int]:
+        """The scalars that place the next key, for a snapshot; the buffer's size among them, since where it grows
+        decides its dtype (a bf16 prompt's buffer grown by float32 keys turns float32, as the reference's does)."""
+        return {"offset": self.offset, "capacity": self.capacity}
+
+    def restore_counters(self, snapshot: Snapshot) -> None:
+        self.offset = snapshot.int("offset")
+
+    def snapshot(self) -> dict[str, mx.array | int]:
+        """Its state: the held keys and values, (B, kv_heads, held, head_dim), read from its group's rows when it
+        is in one (the group and the cache are left as they are), and its counters."""
+        state: dict[str, mx.array | int] = dict(self.counters())
+        keys, values = self.keys, self.values
+        if keys is not None:
+            n = self.held()
+            state["keys"], state["values"] = keys[..., :n, :], values[..., :n, :]
+        return state
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""
+        self.group = None
+        self._keys = self._values = None
+        if snapshot.has("keys"):  # widened with zeros to the buffer's size, as its unwritten keys are
+            capacity = snapshot.int("capacity")
+            self._keys, self._values = (widened(snapshot.array(name), capacity) for name in ("keys", "values"))
+        self.restore_counters(snapshot)
 
 
 class LayerGroup:
@@ -495,6 +531,13 @@ class RingCache(GroupedCache):
         super()._advance(plan)
         self.slot = plan.next_slot
 
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "slot": self.slot}
+
+    def restore_counters(self, snapshot: Snapshot) -> None:
+        super().restore_counters(snapshot)
+        self.slot = snapshot.int("slot")
+
     def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._own()
         if keys.shape[2] == 1:
@@ -531,6 +574,14 @@ class MambaCache:
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.conv, self.ssm) if a is not None]
+
+    def snapshot(self) -> dict[str, mx.array]:
+        """Its state: its own rows of the conv tail and SSM state (views of a pool's stacks, read as they are)."""
+        return {name: a for name, a in (("conv", self.conv), ("ssm", self.ssm)) if a is not None}
+
+    def restore(self, snapshot: Snapshot) -> None:
+        self.conv = snapshot.optional("conv", snapshot.array)
+        self.ssm = snapshot.optional("ssm", snapshot.array)
 
 
 # ---- attention caches: the batched write-and-attend ---------------------------------------------------------

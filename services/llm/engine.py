@@ -35,6 +35,7 @@ from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
+from services.common.snapshot import Snapshot, State, items
 from services.llm.nemotron_h import (
     WEIGHT_PREFIXES,
     Block,
@@ -156,6 +157,38 @@ class LanguageSession:
             return StepOutput(self.prev_text, self.prev_function)
         return StepOutput(self.prev_text, self.prev_function, text_logits, function_logits)
 
+    def snapshot(self) -> State:
+        """The session's whole state (`services.common.snapshot`): counters, the previous ids, a forced function
+        id still to use (-1: none), every layer cache's own rows (`caches.I.*`) or the full-history inputs. The
+        prompt rows are not in it: a restore looks them up again from the open message."""
+        if self.closed:
+            raise ValueError(f"session {self.session_id} is closed")
+        state: State = {"positions": self.positions, "prompt_positions": self.prompt_positions, "frames": self.frames,
+                        "prev_text": self.prev_text, "prev_function": self.prev_function,
+                        "forced_function": -1 if self.forced_function is None else self.forced_function}
+        state.update(items(self.caches, "caches", lambda cache: cache.snapshot()))
+        if self.history:
+            state["history"] = mx.concatenate(self.history, axis=1)  # (1, positions, D)
+        return state
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Take the state `snapshot` holds (a fresh session opened with the same prompt, its rows not fed)."""
+        prompt = 0 if self.prompt_embeds is None else self.prompt_embeds.shape[0]
+        if snapshot.int("prompt_positions") != prompt:
+            raise ValueError(f"the snapshot's session had a prompt of {snapshot.int('prompt_positions')} positions, "
+                             f"but the open message's prompt has {prompt}: restore with the session's own open")
+        for name in ("positions", "prompt_positions", "frames", "prev_text", "prev_function"):
+            setattr(self, name, snapshot.int(name))
+        forced = snapshot.int("forced_function")
+        self.forced_function = None if forced < 0 else forced
+        for i, cache in enumerate(self.caches):
+            if cache is not None:
+                cache.restore(snapshot.scope(f"caches.{i}"))
+        if snapshot.has("history"):
+            history = snapshot.array("history")
+            self.history = [history[:, i : i + 1] for i in range(history.shape[1])]
+        mx.eval([a for cache in self.caches if cache is not None for a in cache.arrays()], self.history)
+
     def check_step(self, audio: mx.array, frame_index: int | None) -> None:
         """The ValueError / LimitExceeded `step` raises for these arguments, before anything changes."""
         if self.closed:
@@ -249,13 +282,14 @@ class LanguageEngine:
 
     def open_session(self, system_prompt: str = "", prompt_token_ids: list[int] | None = None,
                      full_history: bool = False, prefix_dtype: str = "float32",
-                     prefill: bool = True) -> LanguageSession:
+                     prefill: bool = True, restore: Snapshot | None = None) -> LanguageSession:
         """Open a session and prefill its prompt prefix.
 
         prompt_token_ids, when non-empty, are used as given (bos/eos included) instead of system_prompt.
         prefix_dtype: "float32" feeds the prompt rows as the reference's offline path does (cast to float32),
         "bfloat16" as its streaming session does (raw table rows). prefill=False leaves the rows pending, to be
-        fed by `prefill_batch` (one row per call, batched with other sessions' rows) before the first step."""
+        fed by `prefill_batch` (one row per call, batched with other sessions' rows) before the first step.
+        restore: a snapshot of a session opened with these arguments; it is taken instead of feeding the rows."""
         ids = [int(i) for i in prompt_token_ids] if prompt_token_ids else self.prompt_ids(system_prompt)
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(f"system prompt is {len(ids)} tokens (bos/eos included); "
@@ -272,11 +306,13 @@ class LanguageEngine:
             session.caches = self.model.make_caches(context_bound(len(ids), self.max_context))
         if ids:
             rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32)).astype(PREFIX_DTYPES[prefix_dtype])
-            if prefill or full_history:
+            if restore is None and (prefill or full_history):
                 session.prefill(rows)
             else:
                 session.prompt_embeds = rows
                 mx.eval(rows)
+        if restore is not None:
+            session.restore(restore)
         self._sessions[session.session_id] = session
         return session
 

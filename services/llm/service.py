@@ -15,13 +15,22 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from protos.voicechat.v1 import language_pb2, language_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
+from protos.voicechat.v1 import language_pb2, language_pb2_grpc, snapshot_pb2
+from services.common.batching import (
+    BatchOptions,
+    StepBatcher,
+    answer_snapshots,
+    is_snapshot,
+    pipelined,
+    run_entries,
+    session_of,
+)
 from services.common.cli import ServiceSpec
 from services.common.engine_thread import EngineThread
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
+from services.common.snapshot import Snapshot, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto, to_proto
 from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession, StepOutput
 
@@ -47,7 +56,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
-                                                key=session_of)
+                                                key=session_of, reads=is_snapshot)
 
     @property
     def engine(self) -> LanguageEngine:
@@ -71,7 +80,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         spec = first.open
         if spec.prefix_precision not in PREFIX_DTYPES:
             raise ValueError(f"LanguageOpen.prefix_precision {spec.prefix_precision} is not a known PrefixPrecision")
-        session = await self.engine_thread.run(_open, engine, spec)
+        snapshot = await restoring(spec.restore, request_iterator)
+        session = await self.engine_thread.run(_open, engine, spec, snapshot)
         self.live_sessions += 1
         try:
             # The prompt is fed a row per batch, with other sessions' steps and rows: an opening session does
@@ -83,6 +93,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
 
             async def step(request: language_pb2.LanguageStreamRequest) -> language_pb2.LanguageStreamResponse:
                 started = time.perf_counter()
+                if request.WhichOneof("payload") == "snapshot":
+                    return await snapshot_answers(self.batcher, session, _snapshot_part)
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
                 if not request.step.HasField("audio_embedding"):
@@ -91,7 +103,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return language_pb2.LanguageStreamResponse(step=result)
 
-            async for response in pipelined(request_iterator, step, self.batcher.read_ahead):
+            async for response in flattened(pipelined(request_iterator, step, self.batcher.read_ahead)):
                 yield response
         finally:
             # Runs on normal end, error and cancellation alike: the stream owns the session. Queued behind any
@@ -111,17 +123,22 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             for i, result in zip(feeding, self.engine.prefill_batch([entries[i][0] for i in feeding]), strict=True):
                 results[i] = result
         if stepping:
-            outs = run_entries([entries[i] for i in stepping], _step_arguments, self.engine.step_batch, _step_result)
+            outs = answer_snapshots([entries[i] for i in stepping], take_snapshot, lambda steps: run_entries(
+                steps, _step_arguments, self.engine.step_batch, _step_result))
             for i, result in zip(stepping, outs, strict=True):
                 results[i] = result
         return results
 
 
-def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen) -> LanguageSession:
+def _open(engine: LanguageEngine, spec: language_pb2.LanguageOpen, snapshot: Snapshot | None) -> LanguageSession:
     """Open a session on the engine thread, its prompt rows left to feed (a full-history session feeds them
-    here: it never batches)."""
+    here: it never batches), or restored from `snapshot`."""
     return engine.open_session(spec.system_prompt, list(spec.prompt_token_ids), spec.full_history,
-                               PREFIX_DTYPES[spec.prefix_precision], prefill=spec.full_history)
+                               PREFIX_DTYPES[spec.prefix_precision], prefill=spec.full_history, restore=snapshot)
+
+
+def _snapshot_part(part: snapshot_pb2.SnapshotPart) -> language_pb2.LanguageStreamResponse:
+    return language_pb2.LanguageStreamResponse(snapshot=part)
 
 
 def _opened(engine: LanguageEngine, session: LanguageSession) -> language_pb2.LanguageOpened:

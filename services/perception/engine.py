@@ -27,6 +27,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, LoadOptions
+from services.common.snapshot import Snapshot, State, numbered
 from services.perception.conformer import Conformer, Conv, LayerNorm
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
@@ -444,6 +445,48 @@ class PerceptionStream:
         enc = self.encoder
         return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
                 *enc.padded_rows(), *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
+
+    def snapshot(self) -> State:
+        """The session's whole state (`services.common.snapshot`): the mel stream's sample tail and counters, the
+        encoder's caches (the real rows of caches still filling) and counters, the RNNT decoder's last token, LSTM
+        state and transcript so far."""
+        mel, enc, rnnt = self.mel, self.encoder, self.rnnt
+        state: State = {"frame_index": self.frame_index, "mel.samples": mel.samples, "mel.offset": mel.offset,
+                        "mel.total": mel.total, "mel.next_frame": mel.next_frame,
+                        "encoder.consumed": enc.consumed, "encoder.emitted": enc.emitted,
+                        "rnnt.last_token": rnnt.last_token, "rnnt.token_ids": rnnt.token_ids, "rnnt.text": rnnt.text,
+                        "rnnt.joined": rnnt.joined, "rnnt.last_emitted": rnnt.last_emitted}
+        for name in ("mel_cache", "pending"):
+            if (a := getattr(enc, name)) is not None:
+                state[f"encoder.{name}"] = a
+        state.update(numbered("encoder.attn", enc.attn_caches) | numbered("encoder.conv", enc.conv_caches))
+        if rnnt.lstm:
+            state.update(numbered("rnnt.lstm.h", rnnt.lstm[0]) | numbered("rnnt.lstm.c", rnnt.lstm[1]))
+        return state
+
+    @classmethod
+    def restored(cls, engine: PerceptionEngine, snapshot: Snapshot) -> PerceptionStream:
+        """A stream holding the state `snapshot` gave."""
+        stream = cls(engine)
+        mel, enc, rnnt = stream.mel, stream.encoder, stream.rnnt
+        stream.frame_index = snapshot.int("frame_index")
+        mel.samples = snapshot.array("mel.samples")
+        mel.offset, mel.total, mel.next_frame = (snapshot.int(f"mel.{n}") for n in ("offset", "total", "next_frame"))
+        enc.consumed, enc.emitted = snapshot.int("encoder.consumed"), snapshot.int("encoder.emitted")
+        enc.mel_cache = snapshot.optional("encoder.mel_cache", snapshot.array)
+        enc.pending = snapshot.optional("encoder.pending", snapshot.array)
+        layers = range(len(enc.attn_caches))
+        enc.attn_caches = [snapshot.array(f"encoder.attn.{n}") for n in layers]
+        enc.conv_caches = [snapshot.array(f"encoder.conv.{n}") for n in layers]
+        if snapshot.has("rnnt.lstm.h.0"):
+            depth = range(len(engine.rnnt.prediction.layers))
+            rnnt.lstm = ([snapshot.array(f"rnnt.lstm.h.{n}") for n in depth],
+                         [snapshot.array(f"rnnt.lstm.c.{n}") for n in depth])
+        rnnt.last_token, rnnt.last_emitted = snapshot.int("rnnt.last_token"), snapshot.int("rnnt.last_emitted")
+        rnnt.token_ids = snapshot.ints("rnnt.token_ids")
+        rnnt.text, rnnt.joined = snapshot.text("rnnt.text"), snapshot.text("rnnt.joined")
+        mx.eval(stream.held_rows(), *([enc.pending] if enc.pending is not None else ()))
+        return stream
 
     def push(self, frame: mx.array | np.ndarray) -> StreamFrame:
         """frame: (1280,) float32 -> this frame's projected embedding, encoder output and transcript delta."""

@@ -13,13 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher, pipelined, run_entries, session_of
+from protos.voicechat.v1 import perception_pb2, perception_pb2_grpc, snapshot_pb2
+from services.common.batching import (
+    BatchOptions,
+    StepBatcher,
+    answer_snapshots,
+    is_snapshot,
+    pipelined,
+    run_entries,
+    session_of,
+)
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import Registration, full_service_name
+from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto
 from services.perception.engine import PerceptionEngine, PerceptionStream, StreamFrame
 
@@ -36,7 +45,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._push_frames, batching or BatchOptions(),
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
-                                                key=session_of)
+                                                key=session_of, reads=is_snapshot)
 
     async def load(self, model_dir: str | Path, options: LoadOptions = AS_STORED) -> None:
         """Load the weights on the engine thread (health says NOT_SERVING meanwhile)."""
@@ -70,7 +79,11 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
             raise ValueError(f"the first Stream message must be `open`, got {kind}")
         self._check_rate(first.open.sample_rate_hz)
         engine = self.engine
-        stream = await self.engine_thread.run(engine.open_stream)
+        snapshot = await restoring(first.open.restore, request_iterator)
+        if snapshot is None:
+            stream = await self.engine_thread.run(engine.open_stream)
+        else:
+            stream = await self.engine_thread.run(PerceptionStream.restored, engine, snapshot)
         self.live_sessions += 1
         try:
             yield perception_pb2.PerceptionStreamResponse(
@@ -82,6 +95,8 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
             async def push(request: perception_pb2.PerceptionStreamRequest) -> perception_pb2.PerceptionStreamResponse:
                 nonlocal expected
                 started = time.perf_counter()
+                if request.WhichOneof("payload") == "snapshot":
+                    return await snapshot_answers(self.batcher, stream, _snapshot_part)
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError(f"after `open` every Stream message must be `frame`, got "
                                      f"{request.WhichOneof('payload') or 'an empty message'}")
@@ -95,14 +110,15 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, push, self.batcher.read_ahead):
+            async for response in flattened(pipelined(request_iterator, push, self.batcher.read_ahead)):
                 yield response
         finally:
             self.live_sessions -= 1
 
     def _push_frames(self, entries: list[tuple[PerceptionStream, perception_pb2.PerceptionFrameInput]]) -> list:
         """Concurrent streams' frames as one batch, on the engine thread."""
-        return run_entries(entries, _push_arguments, self.engine.push_batch, _frame_response)
+        return answer_snapshots(entries, take_snapshot, lambda frames: run_entries(
+            frames, _push_arguments, self.engine.push_batch, _frame_response))
 
 
 # These run on the engine thread: reading an MLX array's bytes evaluates it, which must happen there.
@@ -116,6 +132,10 @@ def _encode(engine: PerceptionEngine, waveform: np.ndarray) -> perception_pb2.En
         transcript_token_ids=result.token_ids,
         frames=result.encoder_out.shape[0],
     )
+
+
+def _snapshot_part(part: snapshot_pb2.SnapshotPart) -> perception_pb2.PerceptionStreamResponse:
+    return perception_pb2.PerceptionStreamResponse(snapshot=part)
 
 
 def _push_arguments(entry: tuple[PerceptionStream, perception_pb2.PerceptionFrameInput]

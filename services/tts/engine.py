@@ -42,6 +42,7 @@ from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
+from services.common.snapshot import Snapshot, State, items
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
 from services.tts.mog import MoGHead
@@ -304,6 +305,31 @@ class TTSSession:
         self.steps = 0
         for _ in range(prefix_steps):
             self.step(engine.config.pad_token_id)
+
+    @classmethod
+    def restored(cls, engine: TTSEngine, snapshot: Snapshot) -> TTSSession:
+        """A session holding the state `snapshot` gave (no warm-up, no prefix steps)."""
+        session = cls.__new__(cls)
+        session.engine, session.serial = engine, next(_SERIALS)
+        session.rng = SessionKey(0)
+        session.rng.key = snapshot.array("rng")
+        session.caches = engine.model.backbone.make_caches()
+        for i, cache in enumerate(session.caches):
+            cache.restore(snapshot.scope(f"caches.{i}"))
+        session.previous, session.steps = snapshot.array("previous"), snapshot.int("steps")
+        q = engine.num_quantizers
+        if session.previous.shape != (1, 1, q) or len(session.caches) != len(engine.model.backbone.layers):
+            raise ValueError("the snapshot is not of a speech session of this checkpoint")
+        mx.eval(session.rng.key, session.previous, [a for c in session.caches for a in (c.keys, c.values)
+                                                    if a is not None])
+        return session
+
+    def snapshot(self) -> State:
+        """The session's whole state (`services.common.snapshot`): steps taken, its random key, the codes fed back
+        next and every layer cache's own rows (`caches.I.*`, read from a group's rows in place)."""
+        state: State = {"steps": self.steps, "rng": self.rng.key, "previous": self.previous}
+        state.update(items(self.caches, "caches", lambda cache: cache.snapshot()))
+        return state
 
     @property
     def can_batch(self) -> bool:

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import grpc
 
-from protos.voicechat.v1 import speech_pb2, speech_pb2_grpc
-from services.common.batching import BatchOptions, StepBatcher, pipelined, session_of
+from protos.voicechat.v1 import snapshot_pb2, speech_pb2, speech_pb2_grpc
+from services.common.batching import BatchOptions, StepBatcher, answer_snapshots, is_snapshot, pipelined, session_of
 from services.common.engine_thread import EngineThread
 from services.common.errors import ServiceUnavailable
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
+from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto_np
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS, TTSEngine, TTSSession
 
@@ -37,7 +38,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
                                                 on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
-                                                key=session_of)
+                                                key=session_of, reads=is_snapshot)
 
     async def load(self, model_dir: str | Path, options: LoadOptions = AS_STORED,
                    max_prefix_steps: int = DEFAULT_MAX_PREFIX_STEPS) -> None:
@@ -70,18 +71,22 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         if first.WhichOneof("payload") != "open":
             raise ValueError("the first SpeechStream message must be `open` (SpeechOpen)")
         opening = first.open
-        if not opening.HasField("prompt_codes"):
+        snapshot = await restoring(opening.restore, request_iterator)
+        if snapshot is None and not opening.HasField("prompt_codes"):
             raise ValueError(f"SpeechOpen.prompt_codes is required: the codec's ({self.engine.prompt_frames}, "
                              f"{self.engine.num_quantizers}) int32 warm-up codes")
         engine = self.engine
         engine.check_prefix_steps(opening.prefix_steps)
-        session = await self.engine_thread.run(engine.open_session, opening.seed,
-                                               from_proto_np(opening.prompt_codes), 0)
+        if snapshot is None:
+            session = await self.engine_thread.run(engine.open_session, opening.seed,
+                                                   from_proto_np(opening.prompt_codes), 0)
+        else:
+            session = await self.engine_thread.run(TTSSession.restored, engine, snapshot)
         self.live_sessions += 1
         try:
             # The prefix's pad steps go through the batcher like any step: an opening session does not hold the
             # engine for its whole prefix, and sessions opening together run theirs together.
-            for _ in range(opening.prefix_steps):
+            for _ in range(0 if snapshot is not None else opening.prefix_steps):
                 await self.batcher.submit((session, engine.config.pad_token_id))
             yield speech_pb2.SpeechStreamResponse(
                 opened=speech_pb2.SpeechOpened(prompt_frames=self.engine.prompt_frames))
@@ -90,6 +95,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             async def speak(request: speech_pb2.SpeechStreamRequest) -> speech_pb2.SpeechStreamResponse:
                 nonlocal expected
                 started = time.perf_counter()
+                if request.WhichOneof("payload") == "snapshot":
+                    return await snapshot_answers(self.batcher, session, _snapshot_part)
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every SpeechStream message must be a `step`")
                 step = request.step
@@ -103,7 +110,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 self.metrics.frame(time.perf_counter() - started)
                 return response
 
-            async for response in pipelined(request_iterator, speak, self.batcher.read_ahead):
+            async for response in flattened(pipelined(request_iterator, speak, self.batcher.read_ahead)):
                 yield response
         finally:
             self.live_sessions -= 1
@@ -111,4 +118,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     def _run_steps(self, entries: list[tuple[TTSSession, int]]) -> list:
         """Concurrent sessions' steps as one batch, on the engine thread."""
         assert self.engine is not None
-        return self.engine.step_batch(entries)
+        return answer_snapshots(entries, take_snapshot, self.engine.step_batch)
+
+
+def _snapshot_part(part: snapshot_pb2.SnapshotPart) -> speech_pb2.SpeechStreamResponse:
+    return speech_pb2.SpeechStreamResponse(snapshot=part)

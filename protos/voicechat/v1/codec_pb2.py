@@ -22,40 +22,41 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.voicechat.v1 import snapshot_pb2 as protos_dot_voicechat_dot_v1_dot_snapshot__pb2
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/voicechat/v1/codec.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"$\n\x12PromptCodesRequest\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\":\n\x13PromptCodesResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"T\n\x12\x43odecEncodeRequest\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\":\n\x13\x43odecEncodeResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"9\n\x12\x43odecDecodeRequest\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"U\n\x13\x43odecDecodeResponse\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"\x11\n\x0f\x43odecDecodeOpen\"Q\n\x15\x43odecDecodeFrameInput\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\x8a\x01\n\x18\x43odecDecodeStreamRequest\x12-\n\x04open\x18\x01 \x01(\x0b\x32\x1d.voicechat.v1.CodecDecodeOpenH\x00\x12\x34\n\x05\x66rame\x18\x02 \x01(\x0b\x32#.voicechat.v1.CodecDecodeFrameInputH\x00\x42\t\n\x07payload\"F\n\x11\x43odecDecodeOpened\x12\x19\n\x11samples_per_frame\x18\x01 \x01(\x05\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"O\n\x11\x43odecDecodedFrame\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\x8b\x01\n\x19\x43odecDecodeStreamResponse\x12\x31\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.voicechat.v1.CodecDecodeOpenedH\x00\x12\x30\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.voicechat.v1.CodecDecodedFrameH\x00\x42\t\n\x07payload2\xe5\x02\n\x0c\x43odecService\x12M\n\x06\x45ncode\x12 .voicechat.v1.CodecEncodeRequest\x1a!.voicechat.v1.CodecEncodeResponse\x12M\n\x06\x44\x65\x63ode\x12 .voicechat.v1.CodecDecodeRequest\x1a!.voicechat.v1.CodecDecodeResponse\x12\x63\n\x0c\x44\x65\x63odeStream\x12&.voicechat.v1.CodecDecodeStreamRequest\x1a\'.voicechat.v1.CodecDecodeStreamResponse(\x01\x30\x01\x12R\n\x0bPromptCodes\x12 .voicechat.v1.PromptCodesRequest\x1a!.voicechat.v1.PromptCodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/voicechat/v1/codec.proto\x12\x0cvoicechat.v1\x1a\"protos/voicechat/v1/snapshot.proto\x1a protos/voicechat/v1/tensor.proto\"$\n\x12PromptCodesRequest\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\":\n\x13PromptCodesResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"T\n\x12\x43odecEncodeRequest\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\":\n\x13\x43odecEncodeResponse\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"9\n\x12\x43odecDecodeRequest\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"U\n\x13\x43odecDecodeResponse\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"\"\n\x0f\x43odecDecodeOpen\x12\x0f\n\x07restore\x18\x01 \x01(\x08\"Q\n\x15\x43odecDecodeFrameInput\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xec\x01\n\x18\x43odecDecodeStreamRequest\x12-\n\x04open\x18\x01 \x01(\x0b\x32\x1d.voicechat.v1.CodecDecodeOpenH\x00\x12\x34\n\x05\x66rame\x18\x02 \x01(\x0b\x32#.voicechat.v1.CodecDecodeFrameInputH\x00\x12\x31\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1d.voicechat.v1.SnapshotRequestH\x00\x12-\n\x07restore\x18\x04 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload\"F\n\x11\x43odecDecodeOpened\x12\x19\n\x11samples_per_frame\x18\x01 \x01(\x05\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"O\n\x11\x43odecDecodedFrame\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xbb\x01\n\x19\x43odecDecodeStreamResponse\x12\x31\n\x06opened\x18\x01 \x01(\x0b\x32\x1f.voicechat.v1.CodecDecodeOpenedH\x00\x12\x30\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.voicechat.v1.CodecDecodedFrameH\x00\x12.\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload2\xe5\x02\n\x0c\x43odecService\x12M\n\x06\x45ncode\x12 .voicechat.v1.CodecEncodeRequest\x1a!.voicechat.v1.CodecEncodeResponse\x12M\n\x06\x44\x65\x63ode\x12 .voicechat.v1.CodecDecodeRequest\x1a!.voicechat.v1.CodecDecodeResponse\x12\x63\n\x0c\x44\x65\x63odeStream\x12&.voicechat.v1.CodecDecodeStreamRequest\x1a\'.voicechat.v1.CodecDecodeStreamResponse(\x01\x30\x01\x12R\n\x0bPromptCodes\x12 .voicechat.v1.PromptCodesRequest\x1a!.voicechat.v1.PromptCodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.codec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROMPTCODESREQUEST']._serialized_start=83
-  _globals['_PROMPTCODESREQUEST']._serialized_end=119
-  _globals['_PROMPTCODESRESPONSE']._serialized_start=121
-  _globals['_PROMPTCODESRESPONSE']._serialized_end=179
-  _globals['_CODECENCODEREQUEST']._serialized_start=181
-  _globals['_CODECENCODEREQUEST']._serialized_end=265
-  _globals['_CODECENCODERESPONSE']._serialized_start=267
-  _globals['_CODECENCODERESPONSE']._serialized_end=325
-  _globals['_CODECDECODEREQUEST']._serialized_start=327
-  _globals['_CODECDECODEREQUEST']._serialized_end=384
-  _globals['_CODECDECODERESPONSE']._serialized_start=386
-  _globals['_CODECDECODERESPONSE']._serialized_end=471
-  _globals['_CODECDECODEOPEN']._serialized_start=473
-  _globals['_CODECDECODEOPEN']._serialized_end=490
-  _globals['_CODECDECODEFRAMEINPUT']._serialized_start=492
-  _globals['_CODECDECODEFRAMEINPUT']._serialized_end=573
-  _globals['_CODECDECODESTREAMREQUEST']._serialized_start=576
-  _globals['_CODECDECODESTREAMREQUEST']._serialized_end=714
-  _globals['_CODECDECODEOPENED']._serialized_start=716
-  _globals['_CODECDECODEOPENED']._serialized_end=786
-  _globals['_CODECDECODEDFRAME']._serialized_start=788
-  _globals['_CODECDECODEDFRAME']._serialized_end=867
-  _globals['_CODECDECODESTREAMRESPONSE']._serialized_start=870
-  _globals['_CODECDECODESTREAMRESPONSE']._serialized_end=1009
-  _globals['_CODECSERVICE']._serialized_start=1012
-  _globals['_CODECSERVICE']._serialized_end=1369
+  _globals['_PROMPTCODESREQUEST']._serialized_start=119
+  _globals['_PROMPTCODESREQUEST']._serialized_end=155
+  _globals['_PROMPTCODESRESPONSE']._serialized_start=157
+  _globals['_PROMPTCODESRESPONSE']._serialized_end=215
+  _globals['_CODECENCODEREQUEST']._serialized_start=217
+  _globals['_CODECENCODEREQUEST']._serialized_end=301
+  _globals['_CODECENCODERESPONSE']._serialized_start=303
+  _globals['_CODECENCODERESPONSE']._serialized_end=361
+  _globals['_CODECDECODEREQUEST']._serialized_start=363
+  _globals['_CODECDECODEREQUEST']._serialized_end=420
+  _globals['_CODECDECODERESPONSE']._serialized_start=422
+  _globals['_CODECDECODERESPONSE']._serialized_end=507
+  _globals['_CODECDECODEOPEN']._serialized_start=509
+  _globals['_CODECDECODEOPEN']._serialized_end=543
+  _globals['_CODECDECODEFRAMEINPUT']._serialized_start=545
+  _globals['_CODECDECODEFRAMEINPUT']._serialized_end=626
+  _globals['_CODECDECODESTREAMREQUEST']._serialized_start=629
+  _globals['_CODECDECODESTREAMREQUEST']._serialized_end=865
+  _globals['_CODECDECODEOPENED']._serialized_start=867
+  _globals['_CODECDECODEOPENED']._serialized_end=937
+  _globals['_CODECDECODEDFRAME']._serialized_start=939
+  _globals['_CODECDECODEDFRAME']._serialized_end=1018
+  _globals['_CODECDECODESTREAMRESPONSE']._serialized_start=1021
+  _globals['_CODECDECODESTREAMRESPONSE']._serialized_end=1208
+  _globals['_CODECSERVICE']._serialized_start=1211
+  _globals['_CODECSERVICE']._serialized_end=1568
 # @@protoc_insertion_point(module_scope)

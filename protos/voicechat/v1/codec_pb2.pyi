@@ -1,3 +1,4 @@
+from protos.voicechat.v1 import snapshot_pb2 as _snapshot_pb2
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -47,8 +48,10 @@ class CodecDecodeResponse(_message.Message):
     def __init__(self, waveform: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
 
 class CodecDecodeOpen(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("restore",)
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    restore: bool
+    def __init__(self, restore: _Optional[bool] = ...) -> None: ...
 
 class CodecDecodeFrameInput(_message.Message):
     __slots__ = ("frame_index", "codes")
@@ -59,12 +62,16 @@ class CodecDecodeFrameInput(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class CodecDecodeStreamRequest(_message.Message):
-    __slots__ = ("open", "frame")
+    __slots__ = ("open", "frame", "snapshot", "restore")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     open: CodecDecodeOpen
     frame: CodecDecodeFrameInput
-    def __init__(self, open: _Optional[_Union[CodecDecodeOpen, _Mapping]] = ..., frame: _Optional[_Union[CodecDecodeFrameInput, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotRequest
+    restore: _snapshot_pb2.SnapshotPart
+    def __init__(self, open: _Optional[_Union[CodecDecodeOpen, _Mapping]] = ..., frame: _Optional[_Union[CodecDecodeFrameInput, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...
 
 class CodecDecodeOpened(_message.Message):
     __slots__ = ("samples_per_frame", "sample_rate_hz")
@@ -83,9 +90,11 @@ class CodecDecodedFrame(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., samples: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class CodecDecodeStreamResponse(_message.Message):
-    __slots__ = ("opened", "frame")
+    __slots__ = ("opened", "frame", "snapshot")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     opened: CodecDecodeOpened
     frame: CodecDecodedFrame
-    def __init__(self, opened: _Optional[_Union[CodecDecodeOpened, _Mapping]] = ..., frame: _Optional[_Union[CodecDecodedFrame, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotPart
+    def __init__(self, opened: _Optional[_Union[CodecDecodeOpened, _Mapping]] = ..., frame: _Optional[_Union[CodecDecodedFrame, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...

@@ -22,30 +22,31 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.voicechat.v1 import snapshot_pb2 as protos_dot_voicechat_dot_v1_dot_snapshot__pb2
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/voicechat/v1/language.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\x8e\x01\n\x0cLanguageOpen\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x66ull_history\x18\x03 \x01(\x08\x12\x37\n\x10prefix_precision\x18\x04 \x01(\x0e\x32\x1d.voicechat.v1.PrefixPrecision\"\xad\x01\n\x0cLanguageStep\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12-\n\x0f\x61udio_embedding\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12%\n\x18\x66orced_function_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x1b\n\x19_forced_function_token_id\"z\n\x15LanguageStreamRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.LanguageOpenH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.voicechat.v1.LanguageStepH\x00\x42\t\n\x07payload\"l\n\x0eLanguageOpened\x12\x18\n\x10prompt_positions\x18\x01 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12+\n\rprompt_embeds\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xb5\x01\n\x12LanguageStepResult\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x15\n\rtext_token_id\x18\x02 \x01(\x05\x12\x19\n\x11\x66unction_token_id\x18\x03 \x01(\x05\x12)\n\x0btext_logits\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12-\n\x0f\x66unction_logits\x18\x05 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\x85\x01\n\x16LanguageStreamResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.voicechat.v1.LanguageOpenedH\x00\x12\x30\n\x04step\x18\x02 \x01(\x0b\x32 .voicechat.v1.LanguageStepResultH\x00\x42\t\n\x07payload*p\n\x0fPrefixPrecision\x12 \n\x1cPREFIX_PRECISION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PREFIX_PRECISION_FLOAT32\x10\x01\x12\x1d\n\x19PREFIX_PRECISION_BFLOAT16\x10\x02\x32j\n\x0fLanguageService\x12W\n\x06Stream\x12#.voicechat.v1.LanguageStreamRequest\x1a$.voicechat.v1.LanguageStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/voicechat/v1/language.proto\x12\x0cvoicechat.v1\x1a\"protos/voicechat/v1/snapshot.proto\x1a protos/voicechat/v1/tensor.proto\"\x9f\x01\n\x0cLanguageOpen\x12\x15\n\rsystem_prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x66ull_history\x18\x03 \x01(\x08\x12\x37\n\x10prefix_precision\x18\x04 \x01(\x0e\x32\x1d.voicechat.v1.PrefixPrecision\x12\x0f\n\x07restore\x18\x05 \x01(\x08\"\xad\x01\n\x0cLanguageStep\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12-\n\x0f\x61udio_embedding\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12%\n\x18\x66orced_function_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x1b\n\x19_forced_function_token_id\"\xdc\x01\n\x15LanguageStreamRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.LanguageOpenH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.voicechat.v1.LanguageStepH\x00\x12\x31\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1d.voicechat.v1.SnapshotRequestH\x00\x12-\n\x07restore\x18\x04 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload\"l\n\x0eLanguageOpened\x12\x18\n\x10prompt_positions\x18\x01 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12+\n\rprompt_embeds\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xb5\x01\n\x12LanguageStepResult\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x15\n\rtext_token_id\x18\x02 \x01(\x05\x12\x19\n\x11\x66unction_token_id\x18\x03 \x01(\x05\x12)\n\x0btext_logits\x18\x04 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12-\n\x0f\x66unction_logits\x18\x05 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xb5\x01\n\x16LanguageStreamResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.voicechat.v1.LanguageOpenedH\x00\x12\x30\n\x04step\x18\x02 \x01(\x0b\x32 .voicechat.v1.LanguageStepResultH\x00\x12.\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload*p\n\x0fPrefixPrecision\x12 \n\x1cPREFIX_PRECISION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PREFIX_PRECISION_FLOAT32\x10\x01\x12\x1d\n\x19PREFIX_PRECISION_BFLOAT16\x10\x02\x32j\n\x0fLanguageService\x12W\n\x06Stream\x12#.voicechat.v1.LanguageStreamRequest\x1a$.voicechat.v1.LanguageStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.language_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFIXPRECISION']._serialized_start=961
-  _globals['_PREFIXPRECISION']._serialized_end=1073
-  _globals['_LANGUAGEOPEN']._serialized_start=87
-  _globals['_LANGUAGEOPEN']._serialized_end=229
-  _globals['_LANGUAGESTEP']._serialized_start=232
-  _globals['_LANGUAGESTEP']._serialized_end=405
-  _globals['_LANGUAGESTREAMREQUEST']._serialized_start=407
-  _globals['_LANGUAGESTREAMREQUEST']._serialized_end=529
-  _globals['_LANGUAGEOPENED']._serialized_start=531
-  _globals['_LANGUAGEOPENED']._serialized_end=639
-  _globals['_LANGUAGESTEPRESULT']._serialized_start=642
-  _globals['_LANGUAGESTEPRESULT']._serialized_end=823
-  _globals['_LANGUAGESTREAMRESPONSE']._serialized_start=826
-  _globals['_LANGUAGESTREAMRESPONSE']._serialized_end=959
-  _globals['_LANGUAGESERVICE']._serialized_start=1075
-  _globals['_LANGUAGESERVICE']._serialized_end=1181
+  _globals['_PREFIXPRECISION']._serialized_start=1161
+  _globals['_PREFIXPRECISION']._serialized_end=1273
+  _globals['_LANGUAGEOPEN']._serialized_start=123
+  _globals['_LANGUAGEOPEN']._serialized_end=282
+  _globals['_LANGUAGESTEP']._serialized_start=285
+  _globals['_LANGUAGESTEP']._serialized_end=458
+  _globals['_LANGUAGESTREAMREQUEST']._serialized_start=461
+  _globals['_LANGUAGESTREAMREQUEST']._serialized_end=681
+  _globals['_LANGUAGEOPENED']._serialized_start=683
+  _globals['_LANGUAGEOPENED']._serialized_end=791
+  _globals['_LANGUAGESTEPRESULT']._serialized_start=794
+  _globals['_LANGUAGESTEPRESULT']._serialized_end=975
+  _globals['_LANGUAGESTREAMRESPONSE']._serialized_start=978
+  _globals['_LANGUAGESTREAMRESPONSE']._serialized_end=1159
+  _globals['_LANGUAGESERVICE']._serialized_start=1275
+  _globals['_LANGUAGESERVICE']._serialized_end=1381
 # @@protoc_insertion_point(module_scope)

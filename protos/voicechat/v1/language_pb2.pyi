@@ -1,3 +1,4 @@
+from protos.voicechat.v1 import snapshot_pb2 as _snapshot_pb2
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -18,16 +19,18 @@ PREFIX_PRECISION_FLOAT32: PrefixPrecision
 PREFIX_PRECISION_BFLOAT16: PrefixPrecision
 
 class LanguageOpen(_message.Message):
-    __slots__ = ("system_prompt", "prompt_token_ids", "full_history", "prefix_precision")
+    __slots__ = ("system_prompt", "prompt_token_ids", "full_history", "prefix_precision", "restore")
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FULL_HISTORY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     system_prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     full_history: bool
     prefix_precision: PrefixPrecision
-    def __init__(self, system_prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., full_history: _Optional[bool] = ..., prefix_precision: _Optional[_Union[PrefixPrecision, str]] = ...) -> None: ...
+    restore: bool
+    def __init__(self, system_prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., full_history: _Optional[bool] = ..., prefix_precision: _Optional[_Union[PrefixPrecision, str]] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class LanguageStep(_message.Message):
     __slots__ = ("frame_index", "audio_embedding", "return_logits", "forced_function_token_id")
@@ -42,12 +45,16 @@ class LanguageStep(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., audio_embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_logits: _Optional[bool] = ..., forced_function_token_id: _Optional[int] = ...) -> None: ...
 
 class LanguageStreamRequest(_message.Message):
-    __slots__ = ("open", "step")
+    __slots__ = ("open", "step", "snapshot", "restore")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     open: LanguageOpen
     step: LanguageStep
-    def __init__(self, open: _Optional[_Union[LanguageOpen, _Mapping]] = ..., step: _Optional[_Union[LanguageStep, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotRequest
+    restore: _snapshot_pb2.SnapshotPart
+    def __init__(self, open: _Optional[_Union[LanguageOpen, _Mapping]] = ..., step: _Optional[_Union[LanguageStep, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...
 
 class LanguageOpened(_message.Message):
     __slots__ = ("prompt_positions", "hidden_size", "prompt_embeds")
@@ -74,9 +81,11 @@ class LanguageStepResult(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., text_token_id: _Optional[int] = ..., function_token_id: _Optional[int] = ..., text_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., function_logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LanguageStreamResponse(_message.Message):
-    __slots__ = ("opened", "step")
+    __slots__ = ("opened", "step", "snapshot")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     opened: LanguageOpened
     step: LanguageStepResult
-    def __init__(self, opened: _Optional[_Union[LanguageOpened, _Mapping]] = ..., step: _Optional[_Union[LanguageStepResult, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotPart
+    def __init__(self, opened: _Optional[_Union[LanguageOpened, _Mapping]] = ..., step: _Optional[_Union[LanguageStepResult, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...

@@ -22,32 +22,33 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.voicechat.v1 import snapshot_pb2 as protos_dot_voicechat_dot_v1_dot_snapshot__pb2
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/voicechat/v1/perception.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"O\n\rEncodeRequest\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"\xcf\x01\n\x0e\x45ncodeResponse\x12!\n\x03mel\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12,\n\x0e\x65ncoder_output\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12*\n\x0c\x61udio_embeds\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x12\n\ntranscript\x18\x04 \x01(\t\x12\x1c\n\x14transcript_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x66rames\x18\x06 \x01(\x05\"?\n\x0ePerceptionOpen\x12\x16\n\x0esample_rate_hz\x18\x01 \x01(\x05\x12\x15\n\rsession_label\x18\x02 \x01(\t\"R\n\x14PerceptionFrameInput\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\x87\x01\n\x17PerceptionStreamRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.voicechat.v1.PerceptionOpenH\x00\x12\x33\n\x05\x66rame\x18\x02 \x01(\x0b\x32\".voicechat.v1.PerceptionFrameInputH\x00\x42\t\n\x07payload\"@\n\x10PerceptionOpened\x12\x15\n\rframe_samples\x18\x01 \x01(\x05\x12\x15\n\rembedding_dim\x18\x02 \x01(\x05\"\xc4\x01\n\x0fPerceptionFrame\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12-\n\x0f\x61udio_embedding\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12,\n\x0e\x65ncoder_output\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x18\n\x10transcript_delta\x18\x04 \x01(\t\x12\x12\n\ntranscript\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\"\x87\x01\n\x18PerceptionStreamResponse\x12\x30\n\x06opened\x18\x01 \x01(\x0b\x32\x1e.voicechat.v1.PerceptionOpenedH\x00\x12.\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.PerceptionFrameH\x00\x42\t\n\x07payload2\xb5\x01\n\x11PerceptionService\x12\x43\n\x06\x45ncode\x12\x1b.voicechat.v1.EncodeRequest\x1a\x1c.voicechat.v1.EncodeResponse\x12[\n\x06Stream\x12%.voicechat.v1.PerceptionStreamRequest\x1a&.voicechat.v1.PerceptionStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/voicechat/v1/perception.proto\x12\x0cvoicechat.v1\x1a\"protos/voicechat/v1/snapshot.proto\x1a protos/voicechat/v1/tensor.proto\"O\n\rEncodeRequest\x12&\n\x08waveform\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\x05\"\xcf\x01\n\x0e\x45ncodeResponse\x12!\n\x03mel\x18\x01 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12,\n\x0e\x65ncoder_output\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12*\n\x0c\x61udio_embeds\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x12\n\ntranscript\x18\x04 \x01(\t\x12\x1c\n\x14transcript_token_ids\x18\x05 \x03(\x05\x12\x0e\n\x06\x66rames\x18\x06 \x01(\x05\"P\n\x0ePerceptionOpen\x12\x16\n\x0esample_rate_hz\x18\x01 \x01(\x05\x12\x15\n\rsession_label\x18\x02 \x01(\t\x12\x0f\n\x07restore\x18\x03 \x01(\x08\"R\n\x14PerceptionFrameInput\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12%\n\x07samples\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xe9\x01\n\x17PerceptionStreamRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.voicechat.v1.PerceptionOpenH\x00\x12\x33\n\x05\x66rame\x18\x02 \x01(\x0b\x32\".voicechat.v1.PerceptionFrameInputH\x00\x12\x31\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1d.voicechat.v1.SnapshotRequestH\x00\x12-\n\x07restore\x18\x04 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload\"@\n\x10PerceptionOpened\x12\x15\n\rframe_samples\x18\x01 \x01(\x05\x12\x15\n\rembedding_dim\x18\x02 \x01(\x05\"\xc4\x01\n\x0fPerceptionFrame\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12-\n\x0f\x61udio_embedding\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12,\n\x0e\x65ncoder_output\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x18\n\x10transcript_delta\x18\x04 \x01(\t\x12\x12\n\ntranscript\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\"\xb7\x01\n\x18PerceptionStreamResponse\x12\x30\n\x06opened\x18\x01 \x01(\x0b\x32\x1e.voicechat.v1.PerceptionOpenedH\x00\x12.\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1d.voicechat.v1.PerceptionFrameH\x00\x12.\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload2\xb5\x01\n\x11PerceptionService\x12\x43\n\x06\x45ncode\x12\x1b.voicechat.v1.EncodeRequest\x1a\x1c.voicechat.v1.EncodeResponse\x12[\n\x06Stream\x12%.voicechat.v1.PerceptionStreamRequest\x1a&.voicechat.v1.PerceptionStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.perception_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODEREQUEST']._serialized_start=88
-  _globals['_ENCODEREQUEST']._serialized_end=167
-  _globals['_ENCODERESPONSE']._serialized_start=170
-  _globals['_ENCODERESPONSE']._serialized_end=377
-  _globals['_PERCEPTIONOPEN']._serialized_start=379
-  _globals['_PERCEPTIONOPEN']._serialized_end=442
-  _globals['_PERCEPTIONFRAMEINPUT']._serialized_start=444
-  _globals['_PERCEPTIONFRAMEINPUT']._serialized_end=526
-  _globals['_PERCEPTIONSTREAMREQUEST']._serialized_start=529
-  _globals['_PERCEPTIONSTREAMREQUEST']._serialized_end=664
-  _globals['_PERCEPTIONOPENED']._serialized_start=666
-  _globals['_PERCEPTIONOPENED']._serialized_end=730
-  _globals['_PERCEPTIONFRAME']._serialized_start=733
-  _globals['_PERCEPTIONFRAME']._serialized_end=929
-  _globals['_PERCEPTIONSTREAMRESPONSE']._serialized_start=932
-  _globals['_PERCEPTIONSTREAMRESPONSE']._serialized_end=1067
-  _globals['_PERCEPTIONSERVICE']._serialized_start=1070
-  _globals['_PERCEPTIONSERVICE']._serialized_end=1251
+  _globals['_ENCODEREQUEST']._serialized_start=124
+  _globals['_ENCODEREQUEST']._serialized_end=203
+  _globals['_ENCODERESPONSE']._serialized_start=206
+  _globals['_ENCODERESPONSE']._serialized_end=413
+  _globals['_PERCEPTIONOPEN']._serialized_start=415
+  _globals['_PERCEPTIONOPEN']._serialized_end=495
+  _globals['_PERCEPTIONFRAMEINPUT']._serialized_start=497
+  _globals['_PERCEPTIONFRAMEINPUT']._serialized_end=579
+  _globals['_PERCEPTIONSTREAMREQUEST']._serialized_start=582
+  _globals['_PERCEPTIONSTREAMREQUEST']._serialized_end=815
+  _globals['_PERCEPTIONOPENED']._serialized_start=817
+  _globals['_PERCEPTIONOPENED']._serialized_end=881
+  _globals['_PERCEPTIONFRAME']._serialized_start=884
+  _globals['_PERCEPTIONFRAME']._serialized_end=1080
+  _globals['_PERCEPTIONSTREAMRESPONSE']._serialized_start=1083
+  _globals['_PERCEPTIONSTREAMRESPONSE']._serialized_end=1266
+  _globals['_PERCEPTIONSERVICE']._serialized_start=1269
+  _globals['_PERCEPTIONSERVICE']._serialized_end=1450
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from protos.voicechat.v1 import snapshot_pb2 as _snapshot_pb2
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -32,12 +33,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, mel: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., encoder_output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., audio_embeds: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., transcript: _Optional[str] = ..., transcript_token_ids: _Optional[_Iterable[int]] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class PerceptionOpen(_message.Message):
-    __slots__ = ("sample_rate_hz", "session_label")
+    __slots__ = ("sample_rate_hz", "session_label", "restore")
     SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     SESSION_LABEL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     sample_rate_hz: int
     session_label: str
-    def __init__(self, sample_rate_hz: _Optional[int] = ..., session_label: _Optional[str] = ...) -> None: ...
+    restore: bool
+    def __init__(self, sample_rate_hz: _Optional[int] = ..., session_label: _Optional[str] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class PerceptionFrameInput(_message.Message):
     __slots__ = ("frame_index", "samples")
@@ -48,12 +51,16 @@ class PerceptionFrameInput(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., samples: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PerceptionStreamRequest(_message.Message):
-    __slots__ = ("open", "frame")
+    __slots__ = ("open", "frame", "snapshot", "restore")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     open: PerceptionOpen
     frame: PerceptionFrameInput
-    def __init__(self, open: _Optional[_Union[PerceptionOpen, _Mapping]] = ..., frame: _Optional[_Union[PerceptionFrameInput, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotRequest
+    restore: _snapshot_pb2.SnapshotPart
+    def __init__(self, open: _Optional[_Union[PerceptionOpen, _Mapping]] = ..., frame: _Optional[_Union[PerceptionFrameInput, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...
 
 class PerceptionOpened(_message.Message):
     __slots__ = ("frame_samples", "embedding_dim")
@@ -80,9 +87,11 @@ class PerceptionFrame(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., audio_embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., encoder_output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., transcript_delta: _Optional[str] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PerceptionStreamResponse(_message.Message):
-    __slots__ = ("opened", "frame")
+    __slots__ = ("opened", "frame", "snapshot")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     opened: PerceptionOpened
     frame: PerceptionFrame
-    def __init__(self, opened: _Optional[_Union[PerceptionOpened, _Mapping]] = ..., frame: _Optional[_Union[PerceptionFrame, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotPart
+    def __init__(self, opened: _Optional[_Union[PerceptionOpened, _Mapping]] = ..., frame: _Optional[_Union[PerceptionFrame, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...

@@ -22,32 +22,33 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.voicechat.v1 import snapshot_pb2 as protos_dot_voicechat_dot_v1_dot_snapshot__pb2
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/voicechat/v1/speech.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\x17\n\x15SpeechDescribeRequest\"\x8c\x01\n\x16SpeechDescribeResponse\x12\x15\n\rprompt_frames\x18\x01 \x01(\x05\x12\x16\n\x0enum_quantizers\x18\x02 \x01(\x05\x12\x15\n\rcodebook_size\x18\x03 \x01(\x05\x12\x15\n\rcontrol_codes\x18\x04 \x03(\x05\x12\x15\n\rsilence_codes\x18\x05 \x03(\x05\"\\\n\nSpeechOpen\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12*\n\x0cprompt_codes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x14\n\x0cprefix_steps\x18\x03 \x01(\x05\"8\n\nSpeechStep\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x15\n\rtext_token_id\x18\x02 \x01(\x05\"t\n\x13SpeechStreamRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.voicechat.v1.SpeechOpenH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.voicechat.v1.SpeechStepH\x00\x42\t\n\x07payload\"%\n\x0cSpeechOpened\x12\x15\n\rprompt_frames\x18\x01 \x01(\x05\"w\n\x10SpeechStepResult\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12)\n\x0b\x63lean_codes\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\x7f\n\x14SpeechStreamResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SpeechOpenedH\x00\x12.\n\x04step\x18\x02 \x01(\x0b\x32\x1e.voicechat.v1.SpeechStepResultH\x00\x42\t\n\x07payload2\xbb\x01\n\rSpeechService\x12S\n\x06Stream\x12!.voicechat.v1.SpeechStreamRequest\x1a\".voicechat.v1.SpeechStreamResponse(\x01\x30\x01\x12U\n\x08\x44\x65scribe\x12#.voicechat.v1.SpeechDescribeRequest\x1a$.voicechat.v1.SpeechDescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/voicechat/v1/speech.proto\x12\x0cvoicechat.v1\x1a\"protos/voicechat/v1/snapshot.proto\x1a protos/voicechat/v1/tensor.proto\"\x17\n\x15SpeechDescribeRequest\"\x8c\x01\n\x16SpeechDescribeResponse\x12\x15\n\rprompt_frames\x18\x01 \x01(\x05\x12\x16\n\x0enum_quantizers\x18\x02 \x01(\x05\x12\x15\n\rcodebook_size\x18\x03 \x01(\x05\x12\x15\n\rcontrol_codes\x18\x04 \x03(\x05\x12\x15\n\rsilence_codes\x18\x05 \x03(\x05\"m\n\nSpeechOpen\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12*\n\x0cprompt_codes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12\x14\n\x0cprefix_steps\x18\x03 \x01(\x05\x12\x0f\n\x07restore\x18\x04 \x01(\x08\"8\n\nSpeechStep\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12\x15\n\rtext_token_id\x18\x02 \x01(\x05\"\xd6\x01\n\x13SpeechStreamRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.voicechat.v1.SpeechOpenH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.voicechat.v1.SpeechStepH\x00\x12\x31\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1d.voicechat.v1.SnapshotRequestH\x00\x12-\n\x07restore\x18\x04 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload\"%\n\x0cSpeechOpened\x12\x15\n\rprompt_frames\x18\x01 \x01(\x05\"w\n\x10SpeechStepResult\x12\x13\n\x0b\x66rame_index\x18\x01 \x01(\x03\x12#\n\x05\x63odes\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.Tensor\x12)\n\x0b\x63lean_codes\x18\x03 \x01(\x0b\x32\x14.voicechat.v1.Tensor\"\xaf\x01\n\x14SpeechStreamResponse\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.voicechat.v1.SpeechOpenedH\x00\x12.\n\x04step\x18\x02 \x01(\x0b\x32\x1e.voicechat.v1.SpeechStepResultH\x00\x12.\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1a.voicechat.v1.SnapshotPartH\x00\x42\t\n\x07payload2\xbb\x01\n\rSpeechService\x12S\n\x06Stream\x12!.voicechat.v1.SpeechStreamRequest\x1a\".voicechat.v1.SpeechStreamResponse(\x01\x30\x01\x12U\n\x08\x44\x65scribe\x12#.voicechat.v1.SpeechDescribeRequest\x1a$.voicechat.v1.SpeechDescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.speech_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPEECHDESCRIBEREQUEST']._serialized_start=84
-  _globals['_SPEECHDESCRIBEREQUEST']._serialized_end=107
-  _globals['_SPEECHDESCRIBERESPONSE']._serialized_start=110
-  _globals['_SPEECHDESCRIBERESPONSE']._serialized_end=250
-  _globals['_SPEECHOPEN']._serialized_start=252
-  _globals['_SPEECHOPEN']._serialized_end=344
-  _globals['_SPEECHSTEP']._serialized_start=346
-  _globals['_SPEECHSTEP']._serialized_end=402
-  _globals['_SPEECHSTREAMREQUEST']._serialized_start=404
-  _globals['_SPEECHSTREAMREQUEST']._serialized_end=520
-  _globals['_SPEECHOPENED']._serialized_start=522
-  _globals['_SPEECHOPENED']._serialized_end=559
-  _globals['_SPEECHSTEPRESULT']._serialized_start=561
-  _globals['_SPEECHSTEPRESULT']._serialized_end=680
-  _globals['_SPEECHSTREAMRESPONSE']._serialized_start=682
-  _globals['_SPEECHSTREAMRESPONSE']._serialized_end=809
-  _globals['_SPEECHSERVICE']._serialized_start=812
-  _globals['_SPEECHSERVICE']._serialized_end=999
+  _globals['_SPEECHDESCRIBEREQUEST']._serialized_start=120
+  _globals['_SPEECHDESCRIBEREQUEST']._serialized_end=143
+  _globals['_SPEECHDESCRIBERESPONSE']._serialized_start=146
+  _globals['_SPEECHDESCRIBERESPONSE']._serialized_end=286
+  _globals['_SPEECHOPEN']._serialized_start=288
+  _globals['_SPEECHOPEN']._serialized_end=397
+  _globals['_SPEECHSTEP']._serialized_start=399
+  _globals['_SPEECHSTEP']._serialized_end=455
+  _globals['_SPEECHSTREAMREQUEST']._serialized_start=458
+  _globals['_SPEECHSTREAMREQUEST']._serialized_end=672
+  _globals['_SPEECHOPENED']._serialized_start=674
+  _globals['_SPEECHOPENED']._serialized_end=711
+  _globals['_SPEECHSTEPRESULT']._serialized_start=713
+  _globals['_SPEECHSTEPRESULT']._serialized_end=832
+  _globals['_SPEECHSTREAMRESPONSE']._serialized_start=835
+  _globals['_SPEECHSTREAMRESPONSE']._serialized_end=1010
+  _globals['_SPEECHSERVICE']._serialized_start=1013
+  _globals['_SPEECHSERVICE']._serialized_end=1200
 # @@protoc_insertion_point(module_scope)

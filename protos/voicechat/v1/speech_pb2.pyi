@@ -1,3 +1,4 @@
+from protos.voicechat.v1 import snapshot_pb2 as _snapshot_pb2
 from protos.voicechat.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -26,14 +27,16 @@ class SpeechDescribeResponse(_message.Message):
     def __init__(self, prompt_frames: _Optional[int] = ..., num_quantizers: _Optional[int] = ..., codebook_size: _Optional[int] = ..., control_codes: _Optional[_Iterable[int]] = ..., silence_codes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeechOpen(_message.Message):
-    __slots__ = ("seed", "prompt_codes", "prefix_steps")
+    __slots__ = ("seed", "prompt_codes", "prefix_steps", "restore")
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CODES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     seed: int
     prompt_codes: _tensor_pb2.Tensor
     prefix_steps: int
-    def __init__(self, seed: _Optional[int] = ..., prompt_codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefix_steps: _Optional[int] = ...) -> None: ...
+    restore: bool
+    def __init__(self, seed: _Optional[int] = ..., prompt_codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., prefix_steps: _Optional[int] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class SpeechStep(_message.Message):
     __slots__ = ("frame_index", "text_token_id")
@@ -44,12 +47,16 @@ class SpeechStep(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., text_token_id: _Optional[int] = ...) -> None: ...
 
 class SpeechStreamRequest(_message.Message):
-    __slots__ = ("open", "step")
+    __slots__ = ("open", "step", "snapshot", "restore")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     open: SpeechOpen
     step: SpeechStep
-    def __init__(self, open: _Optional[_Union[SpeechOpen, _Mapping]] = ..., step: _Optional[_Union[SpeechStep, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotRequest
+    restore: _snapshot_pb2.SnapshotPart
+    def __init__(self, open: _Optional[_Union[SpeechOpen, _Mapping]] = ..., step: _Optional[_Union[SpeechStep, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...
 
 class SpeechOpened(_message.Message):
     __slots__ = ("prompt_frames",)
@@ -68,9 +75,11 @@ class SpeechStepResult(_message.Message):
     def __init__(self, frame_index: _Optional[int] = ..., codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., clean_codes: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SpeechStreamResponse(_message.Message):
-    __slots__ = ("opened", "step")
+    __slots__ = ("opened", "step", "snapshot")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     opened: SpeechOpened
     step: SpeechStepResult
-    def __init__(self, opened: _Optional[_Union[SpeechOpened, _Mapping]] = ..., step: _Optional[_Union[SpeechStepResult, _Mapping]] = ...) -> None: ...
+    snapshot: _snapshot_pb2.SnapshotPart
+    def __init__(self, opened: _Optional[_Union[SpeechOpened, _Mapping]] = ..., step: _Optional[_Union[SpeechStepResult, _Mapping]] = ..., snapshot: _Optional[_Union[_snapshot_pb2.SnapshotPart, _Mapping]] = ...) -> None: ...
