@@ -1,10 +1,11 @@
-"""Failover: a session's stream to one network that survives its replica, by replaying what the network received.
+"""Failover: a session's stream to one network that survives its replica, by restoring its latest snapshot and
+replaying what the network received since.
 
 Every answer a network gives a session is a deterministic function of the requests the session sent it (the
 stream's opening message, then every step: audio, text ids, codes, seeds, forced ids, all inside the messages).
 A ReplayStream keeps those whole request messages; when its replica dies (UNAVAILABLE, the stream broken), hangs
 past its deadline, or drains and cuts the stream, it opens a new stream on the same channel (round robin with
-health checking sends it to a healthy replica), sends the whole log again, discards the answers the session already
+health checking sends it to a healthy replica), sends the log again, discards the answers the session already
 took (checking that the last of them is byte for byte what the first replica gave: a determinism guard), and hands
 on the answers still owed. The caller sees a slower answer, never an error:
 
@@ -13,20 +14,32 @@ on the answers still owed. The caller sees a slower answer, never an error:
     pending = stream.send(step_message)                       # logged, then sent
     reply = pending.result()                                  # after a failover if the replica died meanwhile
 
+Snapshots bound the replay: every `snapshot_frames` steps the stream also sends a snapshot request (answered in
+order by the session's whole state, protos/voicechat/v1/snapshot.proto; never handed to the caller), keeps the
+latest snapshot and drops the log before it. A failover then opens the new stream with the opening message marked
+`restore` followed by the snapshot's parts, and replays only the steps since: the pause no longer grows with the
+session's age, and the log never passes the interval. The new replica's answer to the restoring open must equal
+the first one's (the guard's other half).
+
 Memory: the log holds each request as sent (its serialized size, per 80 ms frame, on the full model: perception
 5137 B (1280 float32 samples), language about 17.9 KB (a 4480-float32 audio embedding), speech about 8 B, codec
-139 B; about 23 KB a frame in all, 17 MB a minute). Past `max_history_frames` steps (7500, 600 s, by default) a
-stream drops its log: the session goes on, but a later failure of its replica ends it with an error saying so.
+139 B; about 23 KB a frame in all, 17 MB a minute), at most one interval of it; a snapshot holds the session's
+state (docs/operations.md gives its size per network). Without snapshots, past `max_history_frames` steps (7500,
+600 s, by default) a stream drops its log: the session goes on, but a later failure of its replica ends it with an
+error saying so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from orchestrator.clients import BidiStream, Channel, ServiceError
 from orchestrator.pending import Pending
+from protos.voicechat.v1 import snapshot_pb2
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +47,36 @@ log = logging.getLogger(__name__)
 # failed request (INVALID_ARGUMENT, INTERNAL, ...) would fail the same way anywhere.
 RECOVERABLE = (None, "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED")
 DEFAULT_HISTORY_FRAMES = 7500  # 600 s of 80 ms frames: the conversation service's default stream length
+# 60 s of 80 ms frames: the full model's language state is about 146 MB whatever the age (its Mamba states) and the
+# speech state 258 KB a frame of age (docs/operations.md), so a snapshot a minute costs some 2.5 MB/s a session and
+# bounds the replay to a minute of frames
+DEFAULT_SNAPSHOT_FRAMES = 750
 
 
 @dataclass(frozen=True)
 class FailoverPolicy:
     """How a session's stream moves to another replica. `attempts`: replays tried for one failure (a replay that
-    lands on a replica that fails too counts one); `max_history_frames`: steps kept for replay (see the module)."""
+    lands on a replica that fails too counts one); `max_history_frames`: steps kept for replay (see the module);
+    `snapshot_frames`: steps between snapshots of the session's state (0: none, the whole log is replayed)."""
 
     attempts: int = 3
     max_history_frames: int = DEFAULT_HISTORY_FRAMES
+    snapshot_frames: int = DEFAULT_SNAPSHOT_FRAMES
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.max_history_frames < 0:
             raise ValueError(f"failover attempts must be >= 1 and max_history_frames >= 0, got {self}")
+        if not 0 <= self.snapshot_frames <= self.max_history_frames:
+            raise ValueError(f"snapshot_frames must be 0 (no snapshots) or up to max_history_frames "
+                             f"({self.max_history_frames}): the log kept between snapshots, got {self.snapshot_frames}")
+
+    @classmethod
+    def every(cls, seconds: float, frame_s: float = 0.08) -> FailoverPolicy:
+        """A snapshot every `seconds` of conversation (0: never), e.g. from `--snapshot-seconds`."""
+        if not 0 <= seconds <= DEFAULT_HISTORY_FRAMES * frame_s:
+            raise ValueError(f"--snapshot-seconds {seconds:g}: must be 0 (never) up to "
+                             f"{DEFAULT_HISTORY_FRAMES * frame_s:g}, the history kept for failover")
+        return cls(snapshot_frames=max(1, round(seconds / frame_s)) if seconds else 0)
 
 
 DEFAULT_FAILOVER = FailoverPolicy()
@@ -60,21 +90,28 @@ class ReplayStream:
     """A BidiStream (same `call`/`send`/`close`) that fails over to another replica of its channel.
 
     Requests and answers stay paired in order across a failover: requests sent while one is under way are logged
-    and go to the new replica after the replayed ones. `failovers` counts the moves; `history_bytes` is the log's
-    serialized size.
+    and go to the new replica after the replayed ones. `failovers` counts the moves, `snapshots` the snapshots
+    taken; `history_bytes` is the opening message's and the log's serialized size, `snapshot_bytes` the latest
+    snapshot's.
     """
 
     def __init__(self, channel: Channel, method: str, policy: FailoverPolicy):
         self.channel, self.method, self.policy = channel, method, policy
         self._stream = BidiStream(channel, method)
-        self._log: list | None = []  # every request of the session in order; None once past the cap
+        self._open = None  # the opening message (a restore sends it again, marked `restore`)
+        self._opened: bytes | None = None  # the digest of its answer, which a restore's must equal
+        self._log: list | None = []  # the steps from caller request `_base` on; None once past the cap
+        self._base = 1  # the caller's request index of _log[0] (0 is the opening message)
+        self._sent = 0  # caller requests sent
+        self._snapshot: list[snapshot_pb2.SnapshotPart] | None = None  # the latest, taken at request `_base`
+        self._asked: deque[int] = deque()  # snapshot requests on this stream: the caller requests sent before each
         self._taken = 0  # answers handed to the caller
         self._last = None  # the last of them (the replay's determinism guard)
         self._send_lock = threading.Lock()  # the log and the stream it goes to change together
         self._take_lock = threading.Lock()  # one taker of answers at a time (and the failover runs under it)
         self._closed = False
-        self.failovers = 0
-        self.history_bytes = 0
+        self.failovers = self.snapshots = 0
+        self.history_bytes = self.snapshot_bytes = 0
 
     def call(self, message):
         return self.send(message).result()
@@ -85,19 +122,31 @@ class ReplayStream:
             self._record(message)
             try:
                 self._stream.send(message)
+                if self._snapshot_due():
+                    self._stream.send(type(message)(snapshot=snapshot_pb2.SnapshotRequest()))
+                    self._asked.append(self._sent)
             except ServiceError:
                 if self._log is None:
                     raise
                 # the stream broke before this request: the taker's failover replays it with the rest
         return Pending(self._receive)
 
+    def _snapshot_due(self) -> bool:
+        every = self.policy.snapshot_frames
+        return bool(every) and self._log is not None and not self._asked and self._sent - self._base >= every
+
     def _record(self, message) -> None:
+        self._sent += 1
+        if self._open is None:
+            self._open = message
+            self.history_bytes += message.ByteSize()
+            return
         if self._log is None:
             return
-        if len(self._log) > self.policy.max_history_frames:  # the opening message plus max_history_frames steps
+        if len(self._log) >= self.policy.max_history_frames:
             log.warning("the %s session passed %d frames: its log is dropped, and it can no longer move to another "
                         "replica", self.channel.name, self.policy.max_history_frames)
-            self._log, self.history_bytes = None, 0
+            self._log, self._snapshot, self.history_bytes, self.snapshot_bytes = None, None, 0, 0
             return
         self._log.append(message)
         self.history_bytes += message.ByteSize()
@@ -106,18 +155,42 @@ class ReplayStream:
         with self._take_lock:
             while True:
                 try:
+                    if self._asked and self._asked[0] == self._taken:  # a snapshot's parts come first
+                        self._keep_snapshot(self._asked.popleft())
+                        continue
                     reply = self._stream.receive()
                 except ServiceError as exc:
                     if self._closed or not recoverable(exc):
                         raise
                     self._fail_over(exc)
                     continue
+                if self._taken == 0:
+                    self._opened = _digest(reply)
                 self._taken += 1
                 self._last = reply  # kept as is: serialized only if a failover compares it
                 return reply
 
+    def _keep_snapshot(self, at: int) -> None:
+        """Take the parts of the snapshot asked for after `at` caller requests; keep it and drop the log before."""
+        parts = []
+        while not parts or not parts[-1].last:
+            reply = self._stream.receive()
+            if reply.WhichOneof("payload") != "snapshot":
+                raise ServiceError(f"the {self.channel.name} service answered a snapshot request with "
+                                   f"{reply.WhichOneof('payload')}: it does not take snapshots (update it, or run the "
+                                   "orchestrator with --snapshot-seconds 0)", "UNIMPLEMENTED")
+            parts.append(reply.snapshot)
+        with self._send_lock:
+            if self._log is None:
+                return
+            dropped, self._log = self._log[: at - self._base], self._log[at - self._base :]
+            self.history_bytes -= sum(message.ByteSize() for message in dropped)
+            self._snapshot, self._base = parts, at
+            self.snapshot_bytes = sum(part.ByteSize() for part in parts)
+            self.snapshots += 1
+
     def _fail_over(self, failure: ServiceError) -> None:
-        """Replay the log on a new stream until one replica takes the session, or raise a ServiceError."""
+        """Restore or replay on a new stream until one replica takes the session, or raise a ServiceError."""
         name = self.channel.name
         if self._log is None:
             raise ServiceError(f"{failure}; the session had passed {self.policy.max_history_frames} frames, the "
@@ -134,37 +207,65 @@ class ReplayStream:
                 last = exc
                 continue
             self.failovers += 1
-            log.warning("the %s session moved to another replica (attempt %d) after: %s", name, attempt, failure)
+            log.warning("the %s session moved to another replica (attempt %d, %s, %d steps replayed) after: %s",
+                        name, attempt, "restored from a snapshot" if self._snapshot else "no snapshot",
+                        len(self._log), failure)
             return
         raise ServiceError(f"{failure}; no healthy {name} replica took the session over in {self.policy.attempts} "
                            f"attempts (last: {last}). Start more {name} replicas (--replicas {name}=N)",
                            last.code) from failure
 
     def _replay(self) -> BidiStream:
-        """A new stream (round robin picks a healthy replica) sent the whole log; the old one closed."""
+        """A new stream (round robin picks a healthy replica) sent the opening message (with the snapshot to
+        restore, when there is one) and the log; the old one closed."""
         with self._send_lock:
             if self._closed:
                 raise ServiceError(f"the {self.channel.name} session was closed during its failover", "CANCELLED")
             # every answer, the opening one too, within the frame deadline: a replica that hangs as well is
             # left in seconds for the next attempt, when the channel's keepalive has taken it out of the rotation
             old, self._stream = self._stream, BidiStream(self.channel, self.method, warm=True)
+            self._asked.clear()  # the snapshots asked of the old stream are lost with it
+            for message in self._opening():
+                self._stream.send(message)
             for message in self._log:
                 self._stream.send(message)
         old.close()
         return self._stream
 
+    def _opening(self) -> list:
+        """The opening message, or with a snapshot: it marked `restore`, then the snapshot's parts."""
+        if self._snapshot is None:
+            return [self._open]
+        opening = type(self._open)()
+        opening.CopyFrom(self._open)
+        opening.open.restore = True
+        return [opening, *(type(self._open)(restore=part) for part in self._snapshot)]
+
     def _discard_answered(self, stream: BidiStream) -> None:
-        """Take the answers the caller already has from the replay; the last must equal the one it got."""
+        """Take the answers the caller already has from the new stream: its open's, which must equal the first
+        one's, and the replayed steps' up to the last taken, which must equal the one the caller got."""
+        if self._taken == 0:
+            return
+        opened = stream.receive()
+        if _digest(opened) != self._opened:
+            self._differs(0)
         reply = None
-        for _ in range(self._taken):
+        for _ in range(self._taken - self._base):
             reply = stream.receive()
         if reply is not None and reply.SerializeToString() != self._last.SerializeToString():
-            raise ServiceError(f"the {self.channel.name} replica that took the session over answered request "
-                               f"{self._taken - 1} differently from the one that failed: the replicas do not run the "
-                               "same checkpoint and flags, so the session cannot continue", "DATA_LOSS")
+            self._differs(self._taken - 1)
+
+    def _differs(self, request: int) -> None:
+        raise ServiceError(f"the {self.channel.name} replica that took the session over answered request {request} "
+                           "differently from the one that failed: the replicas do not run the same checkpoint and "
+                           "flags, so the session cannot continue", "DATA_LOSS")
 
     def close(self) -> None:
         with self._send_lock:
             self._closed = True
-            self._log, self.history_bytes = None, 0
+            self._log, self._snapshot, self.history_bytes, self.snapshot_bytes = None, None, 0, 0
             self._stream.close()
+
+
+def _digest(reply) -> bytes:
+    return hashlib.sha256(reply.SerializeToString()).digest()

@@ -100,7 +100,7 @@ def test_a_rolling_restart_drains_a_conversation_to_the_other_replica(replicas, 
 
 
 def test_past_the_history_cap_a_failure_ends_the_session_with_an_error_saying_so(replicas, wave):
-    replicas.clients.codec.channel.failover = FailoverPolicy(max_history_frames=8)
+    replicas.clients.codec.channel.failover = FailoverPolicy(max_history_frames=8, snapshot_frames=0)
     try:
         with pytest.raises(Exception, match="passed 8 frames, the history kept for failover"):
             converse(replicas, wave, {20: lambda: replicas.kill_holder("codec")})

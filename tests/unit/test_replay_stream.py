@@ -8,7 +8,7 @@ from orchestrator import failover
 from orchestrator.clients import Deadlines, ServiceError
 from orchestrator.failover import FailoverPolicy, ReplayStream
 from orchestrator.pending import Pending
-from protos.voicechat.v1 import speech_pb2
+from protos.voicechat.v1 import snapshot_pb2, speech_pb2
 
 
 def request(i: int) -> speech_pb2.SpeechStreamRequest:
@@ -77,7 +77,7 @@ def test_a_replica_that_answers_differently_stops_the_session(replicas):
     stream = ReplayStream(Channel(), "Stream", FailoverPolicy())
     for i in range(2):
         stream.call(request(i))
-    with pytest.raises(ServiceError, match="answered request 1 differently") as raised:
+    with pytest.raises(ServiceError, match="answered request 0 differently") as raised:  # the open's answer
         stream.call(request(2))
     assert raised.value.code == "DATA_LOSS"
 
@@ -104,7 +104,7 @@ def test_the_attempts_are_bounded_and_the_error_names_the_service(replicas):
 
 def test_past_the_history_cap_the_log_is_dropped_and_a_failure_says_why(replicas):
     replicas += [Replica(dies_after=4), Replica()]
-    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(max_history_frames=2))
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(max_history_frames=2, snapshot_frames=0))
     for i in range(3):  # the opening message and two steps: still replayable
         stream.call(request(i))
     assert stream.history_bytes > 0
@@ -121,3 +121,134 @@ def test_a_full_replica_during_the_replay_leaves_it_to_the_next_attempt(replicas
     stream = ReplayStream(Channel(), "Stream", FailoverPolicy())
     assert [stream.call(request(i)).step.frame_index for i in range(4)] == [0, 1, 2, 3]
     assert stream.failovers == 1 and not replicas
+
+
+# ---- snapshots ------------------------------------------------------------------------------------------------
+
+
+def opening() -> speech_pb2.SpeechStreamRequest:
+    return speech_pb2.SpeechStreamRequest(open=speech_pb2.SpeechOpen(seed=5))
+
+
+class Session:
+    """A scripted replica holding real state: each step's answer is the sum of every text id so far (so only a
+    session restored whole answers right); snapshot requests are answered by `parts` parts of that state."""
+
+    def __init__(self, dies_after: int | None = None, parts: int = 2):
+        self.dies_after, self.parts = dies_after, parts
+        self.seen: list[int] = []
+        self.received: list[str] = []  # each request's kind: open, open+restore, restore, snapshot, step N
+        self.answers: list = []
+        self.restoring: list[int] | None = None
+        self.closed = False
+
+    def send(self, message) -> Pending:
+        kind = message.WhichOneof("payload")
+        if kind == "open":
+            self.received.append("open+restore" if message.open.restore else "open")
+            if message.open.restore:
+                self.restoring = []
+            else:
+                self.answers.append(speech_pb2.SpeechStreamResponse(opened=speech_pb2.SpeechOpened(prompt_frames=3)))
+        elif kind == "restore":
+            self.received.append("restore")
+            self.restoring += [int(e.text) for e in message.restore.entries]
+            if message.restore.last:
+                self.seen, self.restoring = self.restoring, None
+                self.answers.append(speech_pb2.SpeechStreamResponse(opened=speech_pb2.SpeechOpened(prompt_frames=3)))
+        elif kind == "snapshot":
+            self.received.append("snapshot")
+            chunks = [self.seen[i :: self.parts] for i in range(self.parts)]  # any split: the order is the test's
+            for i, chunk in enumerate(chunks):
+                part = snapshot_pb2.SnapshotPart(last=i == self.parts - 1, entries=[
+                    snapshot_pb2.SnapshotEntry(name=str(n), text=str(v)) for n, v in enumerate(chunk)])
+                self.answers.append(speech_pb2.SpeechStreamResponse(snapshot=part))
+            self.seen = [v for chunk in chunks for v in chunk]  # what a restore of these parts holds
+        else:
+            self.received.append(f"step {message.step.frame_index}")
+            self.seen.append(message.step.text_token_id)
+            self.answers.append(speech_pb2.SpeechStreamResponse(
+                step=speech_pb2.SpeechStepResult(frame_index=sum(self.seen))))
+        return Pending(self.receive)
+
+    def receive(self):
+        if self.dies_after is not None and self.dies_after <= 0:
+            raise ServiceError("the tts service at x stopped responding (UNAVAILABLE: gone)", "UNAVAILABLE")
+        if self.dies_after is not None:
+            self.dies_after -= 1
+        return self.answers.pop(0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def converse(stream, steps: range) -> list[int]:
+    """The step answers the caller gets (the open's answer taken first when `steps` starts at 1)."""
+    if steps.start == 1:
+        assert stream.call(opening()).WhichOneof("payload") == "opened"
+    return [stream.send(request(i)).result().step.frame_index for i in steps]
+
+
+def uninterrupted(steps: int) -> list[int]:
+    return [sum(100 + i for i in range(1, k + 1)) for k in range(1, steps + 1)]
+
+
+def test_every_interval_a_snapshot_is_kept_and_the_log_before_it_dropped(replicas):
+    replica = Session()
+    replicas.append(replica)
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    assert converse(stream, range(1, 11)) == uninterrupted(10)  # no snapshot part reaches the caller
+    steps = [f"step {i}" for i in range(1, 11)]
+    assert replica.received == ["open", *steps[:3], "snapshot", *steps[3:6], "snapshot", *steps[6:9], "snapshot",
+                                steps[9]]
+    assert stream.snapshots == 3 and stream.snapshot_bytes > 0
+    assert stream.history_bytes == opening().ByteSize() + request(10).ByteSize()  # the log since the last snapshot
+
+
+def test_a_failover_restores_the_snapshot_and_replays_only_the_steps_since(replicas):
+    first, second = Session(dies_after=1 + 7 + 2 * 2), Session()  # the open, 7 steps and two snapshots answered
+    replicas += [first, second]
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    taken = converse(stream, range(1, 8))
+    in_flight = [stream.send(request(i)) for i in (8, 9)]  # sent to the first replica, which dies unanswered
+    taken += [p.result().step.frame_index for p in in_flight] + converse(stream, range(10, 12))
+    assert taken == uninterrupted(11) and stream.failovers == 1
+    # the snapshot after step 6, then steps 7 (answered already: discarded, the guard's check), 8 and 9; then
+    # the new steps, the snapshot the first replica was asked for after step 9 (lost with it) asked again
+    assert second.received == ["open+restore", "restore", "restore", "step 7", "step 8", "step 9", "step 10",
+                               "snapshot", "step 11"]
+    assert stream.snapshots == 3
+
+
+def test_a_failure_before_a_snapshot_answer_came_restores_the_one_before(replicas):
+    first, second = Session(dies_after=1 + 3 + 2 + 3), Session()  # dies before the second snapshot's parts
+    replicas += [first, second]
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    assert converse(stream, range(1, 10)) == uninterrupted(9)
+    # the snapshot after step 3 restored, the steps since replayed; the lost one asked again with the next step
+    assert second.received == ["open+restore", "restore", "restore", "step 4", "step 5", "step 6", "step 7",
+                               "step 8", "snapshot", "step 9"]
+    assert stream.snapshots == 2
+
+
+def test_a_restoring_replica_that_opens_differently_stops_the_session(replicas):
+    class Other(Session):
+        def send(self, message):
+            pending = super().send(message)
+            if self.answers and self.answers[-1].WhichOneof("payload") == "opened":
+                self.answers[-1].opened.prompt_frames = 4
+            return pending
+
+    replicas += [Session(dies_after=1 + 4 + 2), Other()]
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    with pytest.raises(ServiceError, match="answered request 0 differently") as raised:
+        converse(stream, range(1, 6))
+    assert raised.value.code == "DATA_LOSS"
+
+
+def test_the_snapshot_interval_must_fit_in_the_history_kept():
+    with pytest.raises(ValueError, match="snapshot_frames must be 0 .* up to max_history_frames"):
+        FailoverPolicy(max_history_frames=10, snapshot_frames=11)
+    assert FailoverPolicy.every(30).snapshot_frames == 375 and FailoverPolicy.every(0).snapshot_frames == 0
+    with pytest.raises(ValueError, match="--snapshot-seconds -1: must be 0"):
+        FailoverPolicy.every(-1)
