@@ -25,7 +25,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +116,8 @@ class Conversation:
     faults: list[tuple[float, int]]  # (monotonic time of the fault, audio events out before it)
     moves: dict[str, int]  # failovers of each network's stream
     history_bytes: dict[str, int]  # each network's replay log at the end, serialized bytes
+    replayed: dict[str, int] = field(default_factory=dict)  # steps each network's last failover ran again
+    snapshot_bytes: dict[str, int] = field(default_factory=dict)  # each network's latest snapshot at the end
 
     def pauses(self) -> list[float]:
         """Seconds from each fault to the next audio event."""
@@ -147,8 +149,10 @@ def converse(replicas: Replicas, wave: np.ndarray, faults: dict | None = None, *
         streams = dict(zip(NETWORK, (session.perception, session.language, session.speech, session.codec),
                            strict=True))
         out.history_bytes = {name: s.stream.history_bytes for name, s in streams.items()}
+        out.snapshot_bytes = {name: getattr(s.stream, "snapshot_bytes", 0) for name, s in streams.items()}
         session.flush(pad_partial=True)
         out.moves = {name: s.stream.failovers for name, s in streams.items()}
+        out.replayed = {name: getattr(s.stream, "replayed", 0) for name, s in streams.items()}
     finally:
         session.close()
     return out

@@ -91,8 +91,9 @@ class ReplayStream:
 
     Requests and answers stay paired in order across a failover: requests sent while one is under way are logged
     and go to the new replica after the replayed ones. `failovers` counts the moves, `snapshots` the snapshots
-    taken; `history_bytes` is the opening message's and the log's serialized size, `snapshot_bytes` the latest
-    snapshot's.
+    taken, `replayed` the steps the last move ran again to rebuild the session (those answered before it: since
+    the snapshot it restored, or since the open); `history_bytes` is the opening message's and the log's
+    serialized size, `snapshot_bytes` the latest snapshot's.
     """
 
     def __init__(self, channel: Channel, method: str, policy: FailoverPolicy):
@@ -110,7 +111,7 @@ class ReplayStream:
         self._send_lock = threading.Lock()  # the log and the stream it goes to change together
         self._take_lock = threading.Lock()  # one taker of answers at a time (and the failover runs under it)
         self._closed = False
-        self.failovers = self.snapshots = 0
+        self.failovers = self.snapshots = self.replayed = 0
         self.history_bytes = self.snapshot_bytes = 0
 
     def call(self, message):
@@ -207,9 +208,10 @@ class ReplayStream:
                 last = exc
                 continue
             self.failovers += 1
-            log.warning("the %s session moved to another replica (attempt %d, %s, %d steps replayed) after: %s",
+            self.replayed = max(self._taken - self._base, 0)
+            log.warning("the %s session moved to another replica (attempt %d, %s, %d steps run again) after: %s",
                         name, attempt, "restored from a snapshot" if self._snapshot else "no snapshot",
-                        len(self._log), failure)
+                        self.replayed, failure)
             return
         raise ServiceError(f"{failure}; no healthy {name} replica took the session over in {self.policy.attempts} "
                            f"attempts (last: {last}). Start more {name} replicas (--replicas {name}=N)",
