@@ -33,6 +33,7 @@ from orchestrator.connect import (
     ServiceError,
     UsageError,
     add_connection_flags,
+    add_failover_flags,
     batch_flags,
     connect,
     connection_from_args,
@@ -86,6 +87,7 @@ def _add_stream_parser(commands) -> None:
     stream = commands.add_parser("stream",
                                   help="the online session: push the file in chunks, print events as they come")
     _add_turn_flags(stream, "silence pushed after the file so the model can finish answering (default 3)")
+    add_failover_flags(stream)
     stream.add_argument("--chunk-ms", type=float, default=80.0, help="push size in milliseconds (default 80)")
     stream.add_argument("--realtime", action="store_true", help="pace the pushes like a live microphone")
     stream.add_argument("--sequential", action="store_true", help="run the stages one after another (no pipelining)")
@@ -102,6 +104,7 @@ def _add_stream_parser(commands) -> None:
 def _add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="the gRPC conversation service (one duplex stream per conversation)")
     add_connection_flags(serve)
+    add_failover_flags(serve)
     serve.add_argument("--host", default="[::]", help="address to bind (default [::])")
     serve.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default)")
     serve.add_argument("--max-sessions", type=int, default=4, help="concurrent conversations (default 4)")

@@ -160,6 +160,16 @@ def deadlines_from_args(args: argparse.Namespace) -> Deadlines:
     return Deadlines(open_s=args.open_timeout, frame_s=args.frame_timeout)
 
 
+def failover_from_args(args: argparse.Namespace):
+    """The FailoverPolicy of --snapshot-seconds; UsageError for a value out of range."""
+    from orchestrator.failover import FailoverPolicy
+
+    try:
+        return FailoverPolicy.every(args.snapshot_seconds)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 class UsageError(ValueError):
     """A command line that cannot run; reported in one line."""
 
@@ -211,6 +221,18 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     add_deadline_flags(parser)
 
 
+def add_failover_flags(parser: argparse.ArgumentParser) -> None:
+    """--snapshot-seconds, for the commands whose sessions' streams fail over (stream, serve, the gateway)."""
+    from orchestrator.failover import DEFAULT_SNAPSHOT_FRAMES
+
+    default = DEFAULT_SNAPSHOT_FRAMES * 0.08
+    parser.add_argument("--snapshot-seconds", type=float, default=default, metavar="S",
+                        help="seconds of conversation between snapshots of each session's state on each network, "
+                             "kept by the orchestrator so that a session whose replica fails is restored on another "
+                             "and only the frames since are replayed (0: never, the whole session is replayed; "
+                             f"default {default:g}; docs/operations.md gives the memory and bandwidth)")
+
+
 def connection_from_args(args: argparse.Namespace) -> dict:
     """Where the services are, as `connect` / `connect_streams` take it, from `add_connection_flags`' flags;
     UsageError for flags that cannot go together."""
@@ -224,9 +246,12 @@ def connection_from_args(args: argparse.Namespace) -> dict:
         check_environment(gpus, envs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
-            "flags": service_flags(args.service_flags), "envs": envs, "mps": args.mps,
-            "replicas": service_replicas(args.replicas, gpus), "gpus": gpus}
+    connection = {"services": args.services, "in_process": args.in_process, "deadlines": deadlines_from_args(args),
+                  "flags": service_flags(args.service_flags), "envs": envs, "mps": args.mps,
+                  "replicas": service_replicas(args.replicas, gpus), "gpus": gpus}
+    if hasattr(args, "snapshot_seconds"):  # a command with streams (add_failover_flags)
+        connection["failover"] = failover_from_args(args)
+    return connection
 
 
 @contextlib.contextmanager

@@ -817,11 +817,12 @@ def _parse(frame: str | bytes) -> dict | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orchestrator.connect import add_connection_flags
+    from orchestrator.connect import add_connection_flags, add_failover_flags
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.realtime",
                                      description="Serve /v1/realtime alone (orchestrator serve runs it too).")
     add_connection_flags(parser)
+    add_failover_flags(parser)
     parser.add_argument("--alias", default=None, help="model id session.updated reports (default: folder name)")
     add_realtime_flags(parser, port_flag="--port")
     parser.add_argument("--drain-seconds", type=float, default=5.0,

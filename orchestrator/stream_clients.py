@@ -180,7 +180,8 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_p
                     deadlines: Deadlines | None = None, flags: dict[str, list[str]] | None = None,
                     mps: bool = False, envs: dict[str, dict[str, str]] | None = None,
                     replicas: dict[str, int] | None = None, gpus: dict[str, list[str]] | None = None,
-                    children: list | None = None) -> Iterator[StreamClients]:
+                    children: list | None = None,
+                    failover: FailoverPolicy | None = DEFAULT_FAILOVER) -> Iterator[StreamClients]:
     """Stream clients to the four services: started here as children (the default; listed in `children` when
     given, for a supervisor), already running (`services`), or the engines in this process. Call from the main
     thread (children die with it)."""
@@ -196,7 +197,7 @@ def connect_streams(model: Path, *, services: dict[str, str] | None = None, in_p
             engines.close()
         return
     with serving(model, services, flags, mps, envs, replicas, gpus, children) as addresses:
-        clients = grpc_stream_clients(addresses, deadlines)
+        clients = grpc_stream_clients(addresses, deadlines, failover)
         try:
             yield clients
         finally:
