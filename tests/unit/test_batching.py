@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.common.batching import StepBatcher, pipelined, run_entries
+from services.common.batching import SNAPSHOT, StepBatcher, answer_snapshots, is_snapshot, pipelined, run_entries
 from services.common.engine_thread import EngineThread
 
 
@@ -420,6 +420,21 @@ def test_a_keyed_batch_takes_one_step_per_session_and_keeps_each_sessions_order(
 
     assert asyncio.run(scenario()) == [10, 20, 10, 30, 10, 20]
     assert keyed.batches == [[("a", 1), ("b", 1)], [("a", 2), ("c", 1)], [("a", 3), ("b", 2)]]
+
+
+def test_a_snapshot_comes_along_ahead_of_its_sessions_step_and_takes_no_slot(engine_thread):
+    keyed = Keyed()
+    batcher = StepBatcher(engine_thread, lambda entries: answer_snapshots(entries, lambda s: f"state of {s}", keyed),
+                          max_batch=2, key=lambda entry: entry[0], reads=is_snapshot)
+
+    async def scenario():
+        entries = [("a", 1), ("a", SNAPSHOT), ("a", 2), ("b", 1), ("b", 2), ("b", SNAPSHOT), ("c", 1)]
+        return await asyncio.gather(*(batcher.submit(entry) for entry in entries))
+
+    assert asyncio.run(scenario()) == [10, "state of a", 20, 10, 20, "state of b", 10]
+    # a's snapshot waits behind its step 1 and rides with its step 2, b's behind its step 2: each session still
+    # steps in every batch beside the others, as without snapshots (a batch of two steps, max_batch)
+    assert keyed.batches == [[("a", 1), ("b", 1)], [("a", 2), ("b", 2)], [("c", 1)]]
 
 
 def test_the_gather_counts_sessions_not_steps(engine_thread):
