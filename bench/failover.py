@@ -2,15 +2,16 @@
 
     python -m bench.failover --model DIR [--ages 10,60,300] [--networks perception,llm,tts,codec]
                              [--input examples/question.wav] [--frame-deadline 15] [--service-flags NAME=FLAGS]
-                             [--json]
+                             [--snapshot-seconds S] [--json]
 
 Two replicas of each network run as child processes (as `orchestrator serve --replicas all=2` starts them), one
 `ipv4:` target per network. For each age A (seconds of audio) and each network, one conversation (the input file
 looped) is pushed as fast as the pipeline takes it for A seconds; then the replica holding the conversation's
 stream of that network is killed (SIGKILL), the conversation goes on, and the replica is started again. The pause
 is the time from the kill to the conversation's next audio frame: the stream's replay on the other replica (every
-request of the session, sent back to back) plus that frame. A row also gives the frame interval before the fault
-and the session's replay log (its serialized bytes, and per frame).
+request of the session, sent back to back; with --snapshot-seconds S, the latest snapshot restored and only the
+requests since it) plus that frame. A row also gives the frame interval before the fault, the session's replay log
+(its serialized bytes, and per frame), the steps the failover ran again and the latest snapshot's size.
 
 Each row's conversation is also run once undisturbed first, and the bench fails if the faulted run's events differ
 (the failover's guarantee).
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.clients import Deadlines
+from orchestrator.failover import FailoverPolicy
 from orchestrator.launcher import ServiceProcess, spawn_service, stop, wait_ready
 from orchestrator.session import OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import grpc_stream_clients
@@ -47,7 +49,8 @@ class Replicas:
     """Replicas "NAME-0" and "NAME-1" of each network as child processes (each with --metrics-port 0 and
     --drain-seconds 1, plus `flags[NAME]`), and stream clients whose channels spread over both."""
 
-    def __init__(self, model: Path, deadlines: Deadlines, flags: dict[str, list[str]] | None = None):
+    def __init__(self, model: Path, deadlines: Deadlines, flags: dict[str, list[str]] | None = None,
+                 failover: FailoverPolicy | None = None):
         self.model, self.flags = model, flags or {}
         self.children: dict[str, ServiceProcess] = {}
         self.ports: dict[str, int] = {}
@@ -59,7 +62,7 @@ class Replicas:
         self.ports = {name: int(child.address.rpartition(":")[2]) for name, child in self.children.items()}
         addresses = {name: f"ipv4:{HOST}:{self.ports[f'{name}-0']},{HOST}:{self.ports[f'{name}-1']}"
                      for name in NETWORK}
-        self.clients = grpc_stream_clients(addresses, deadlines)
+        self.clients = grpc_stream_clients(addresses, deadlines, failover or FailoverPolicy(snapshot_frames=0))
         self.config = VoiceChatConfig.load(model)
         self.decoder, self.vocabulary = TextDecoder(model, self.config), transcript_vocabulary(model, self.config)
         time.sleep(1.0)  # every channel connects to both replicas (round robin picks among connected ones)
@@ -174,6 +177,8 @@ class Row:
     history_bytes: int  # the network's replay log after the undisturbed run's last whole frame
     bytes_per_frame: float
     identical: bool
+    replayed: int = 0  # steps the failover ran again (since the snapshot it restored, or since the open)
+    snapshot_bytes: int = 0  # the network's latest snapshot in the undisturbed run
 
 
 def looped(path: Path, seconds: float) -> np.ndarray:
@@ -192,7 +197,8 @@ def measure(replicas: Replicas, network: str, age_s: float, wave: np.ndarray) ->
     gaps = np.diff(calm.arrivals)
     history = calm.history_bytes[network]
     return Row(network, age_s, frames, faulted.pauses()[0], float(np.median(gaps)) if len(gaps) else 0.0, history,
-               history / max(frames, 1), flat(faulted.events) == flat(calm.events) and faulted.moves[network] == 1)
+               history / max(frames, 1), flat(faulted.events) == flat(calm.events) and faulted.moves[network] == 1,
+               faulted.replayed[network], calm.snapshot_bytes[network])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frame-deadline", type=float, default=15.0, help="seconds (Deadlines.frame_s)")
     parser.add_argument("--service-flags", action="append", default=[], metavar="NAME=FLAGS",
                         help="extra flags for a network's replicas (NAME one of the four or all), repeatable")
+    parser.add_argument("--snapshot-seconds", type=float, default=0.0,
+                        help="seconds between snapshots of each stream's session (default 0: replay the whole log)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from orchestrator.connect import parse_service_flags, service_flags
@@ -212,11 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         ages = [float(a) for a in args.ages.split(",")]
         networks = [n.strip() for n in args.networks.split(",")]
         flags = service_flags([parse_service_flags(text) for text in args.service_flags])
+        failover = FailoverPolicy.every(args.snapshot_seconds)
     except ValueError as exc:
         parser.error(str(exc))
     if unknown := [n for n in networks if n not in NETWORK]:
         parser.error(f"--networks: unknown {', '.join(unknown)}; choose from {', '.join(NETWORK)}")
-    replicas = Replicas(args.model, Deadlines(frame_s=args.frame_deadline), flags)
+    replicas = Replicas(args.model, Deadlines(frame_s=args.frame_deadline), flags, failover)
     rows = []
     try:
         for age in ages:
@@ -227,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = rows[-1]
                     print(f"{r.network:>10} age {r.age_s:6.0f} s ({r.frames} frames): pause {r.pause_s:7.3f} s  "
                           f"frame {r.frame_s * 1000:6.1f} ms  log {r.history_bytes / 1e6:7.2f} MB "
-                          f"({r.bytes_per_frame:.0f} B/frame)  identical {r.identical}", flush=True)
+                          f"({r.bytes_per_frame:.0f} B/frame)  replayed {r.replayed}  snapshot "
+                          f"{r.snapshot_bytes / 1e6:.2f} MB  identical {r.identical}", flush=True)
     finally:
         replicas.close()
     if args.json:

@@ -79,11 +79,12 @@ def snapshotting(replicas):
     """Every stream snapshots its session every SNAPSHOT_FRAMES steps."""
     channels = [c.channel for c in (replicas.clients.perception, replicas.clients.language, replicas.clients.speech,
                                     replicas.clients.codec)]
+    before = [channel.failover for channel in channels]
     for channel in channels:
         channel.failover = FailoverPolicy(snapshot_frames=SNAPSHOT_FRAMES)
     yield
-    for channel in channels:
-        channel.failover = FailoverPolicy()
+    for channel, policy in zip(channels, before, strict=True):
+        channel.failover = policy
 
 
 def test_with_snapshots_a_killed_replica_of_each_network_is_restored_and_replays_one_interval_at_most(
@@ -137,12 +138,14 @@ def test_past_the_history_cap_a_failure_ends_the_session_with_an_error_saying_so
         with pytest.raises(Exception, match="passed 8 frames, the history kept for failover"):
             converse(replicas, wave, {20: lambda: replicas.kill_holder("codec")})
     finally:
-        replicas.clients.codec.channel.failover = FailoverPolicy()
+        replicas.clients.codec.channel.failover = FailoverPolicy(snapshot_frames=0)
         replicas.revive()
 
 
 def test_bench_reports_the_pause_and_checks_the_events(tiny_checkpoint, capsys):
-    assert bench_main(["--model", str(tiny_checkpoint), "--ages", "1", "--networks", "tts", "--json"]) == 0
+    assert bench_main(["--model", str(tiny_checkpoint), "--ages", "1", "--networks", "tts", "--snapshot-seconds",
+                       "0.4", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["network"] == "tts" and row["frames"] == 12 and row["identical"] and 0 < row["pause_s"] < 5
+    assert row["replayed"] <= 5 and row["snapshot_bytes"] > 0  # a snapshot every 5 frames, the last restored
 
