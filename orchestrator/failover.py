@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 # failed request (INVALID_ARGUMENT, INTERNAL, ...) would fail the same way anywhere.
 RECOVERABLE = (None, "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED")
 DEFAULT_HISTORY_FRAMES = 7500  # 600 s of 80 ms frames: the conversation service's default stream length
-# 60 s of 80 ms frames: the full model's language state is about 146 MB whatever the age (its Mamba states) and the
-# speech state 258 KB a frame of age (docs/operations.md), so a snapshot a minute costs some 2.5 MB/s a session and
-# bounds the replay to a minute of frames
-DEFAULT_SNAPSHOT_FRAMES = 750
+# Off by default: on the full model a session's state is about 146 MB on the language model (its Mamba states) and
+# 516 KB a frame of age on the speech model (its attention caches: 0.5 GB at one minute, 3.9 GB at ten), which the
+# orchestrator would hold and receive each interval (`python -m tools.snapshot_cost`, docs/operations.md)
+DEFAULT_SNAPSHOT_FRAMES = 0
 
 
 @dataclass(frozen=True)

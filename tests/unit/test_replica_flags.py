@@ -73,7 +73,7 @@ def test_snapshot_seconds_sets_the_streams_snapshot_interval_in_frames():
     parse = cli.build_parser().parse_args
     assert connection_from_args(parse(["serve", "--snapshot-seconds", "30"]))["failover"].snapshot_frames == 375
     assert connection_from_args(parse(["stream", "x.wav", "--snapshot-seconds", "0"]))["failover"].snapshot_frames == 0
-    assert connection_from_args(parse(["serve"]))["failover"].snapshot_frames == 750  # a minute, by default
+    assert connection_from_args(parse(["serve"]))["failover"].snapshot_frames == 0  # off by default
     assert "failover" not in connection_from_args(parse(["offline", "x.wav"]))  # unary calls: nothing to fail over
     with pytest.raises(ValueError, match="--snapshot-seconds 601: must be 0 .never. up to 600"):
         connection_from_args(parse(["serve", "--snapshot-seconds", "601"]))

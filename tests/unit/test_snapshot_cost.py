@@ -1,0 +1,49 @@
+"""tools.snapshot_cost: its sums from the config equal the bytes of real snapshots' arrays (the tiny preset)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from services.codec.engine import CodecEngine
+from services.llm.engine import LanguageEngine
+from services.perception.engine import PerceptionEngine
+from services.tts.engine import TTSEngine
+from services.tts.prompt import warmup_codes
+from tools.snapshot_cost import main, state_bytes
+
+PROMPT, FRAMES = [1, 5, 6, 2], 6
+
+
+def array_bytes(session) -> int:
+    return sum(v.nbytes for v in session.snapshot().values() if isinstance(v, mx.array))
+
+
+def test_the_state_sizes_match_real_sessions(tiny_checkpoint):
+    language, speech = LanguageEngine.load(tiny_checkpoint), TTSEngine.load(tiny_checkpoint)
+    perception, codec = PerceptionEngine.load(tiny_checkpoint), CodecEngine.load(tiny_checkpoint)
+    want = state_bytes(language.config, FRAMES, len(PROMPT))
+    session = language.open_session(prompt_token_ids=PROMPT, prefix_dtype="bfloat16")
+    k = speech.config.tts_config.codebook_size
+    voice = speech.open_session(0, warmup_codes(np.zeros((speech.prompt_frames + 1, 31), np.int64), k),
+                                len(PROMPT) - 1)
+    stream, decode = perception.open_stream(), codec.open_stream()
+    for t in range(FRAMES):
+        session.step(mx.zeros((language.hidden_size,), mx.float32))
+        voice.step(5)
+        stream.push(np.zeros(perception.frame_samples, np.float32))
+        decode.decode_frame(t, np.zeros(codec.num_quantizers, np.int32))
+    assert want["llm"] == array_bytes(session)
+    assert want["tts"] == array_bytes(voice)
+    assert want["codec"] == array_bytes(decode)
+    for _ in range(20):  # perception's attention caches full (the left context)
+        stream.push(np.zeros(perception.frame_samples, np.float32))
+    # the mel stream's buffers vary a little from frame to frame: the sum is their longest
+    assert 0.85 * want["perception"] <= array_bytes(stream) <= want["perception"]
+
+
+def test_the_full_model_table(capsys):
+    assert main(["--ages", "60", "--prompt-tokens", "200"]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    # 60 s = 750 frames: the language model's 146 MB of Mamba state and 16 KB a position, speech's 516 KB
+    assert row[:2] == ["60s", "14.58"] and row[3] == "161.10" and row[5] == "508.87"
