@@ -1,6 +1,7 @@
 """What a session's snapshot costs on each network: its state's bytes, from a checkpoint config alone.
 
-    python -m tools.snapshot_cost [--preset full] [--prompt-tokens 200] [--ages 10,60,300,600]
+    python -m tools.snapshot_cost [--preset full] [--prompt-tokens 200] [--ages 10,60,300,600,3600]
+                                  [--max-context 8192]
 
 The state of each network's session (what `services.common.snapshot` carries; tests/unit/test_snapshot_cost.py
 checks these sums against real snapshots of the small presets):
@@ -9,9 +10,11 @@ checks these sums against real snapshots of the small presets):
   d_model), the RNNT's LSTM state, the mel stream's sample tail and mel cache, all float32; constant.
 - language: per Mamba layer the conv tail (kernel - 1 x conv_dim) and the SSM state (heads x head_dim x state),
   float32; per attention layer keys and values of every position (prompt and frames), bfloat16 (the streaming
-  session's bf16 prompt prefix keeps its caches in bf16): grows 2 x kv_heads x head_dim x 2 B per layer a frame.
+  session's bf16 prompt prefix keeps its caches in bf16): grows 2 x kv_heads x head_dim x 2 B per layer a frame,
+  up to the services' --max-context positions past the prompt.
 - speech: per backbone layer keys and values of two rows (the guided and the unguided) of every position (speaker
-  prompt, prefix steps, frames; a local layer at most `sliding_window` of them), float32.
+  prompt, prefix steps, frames; a local layer at most `sliding_window` of them, a global one at most
+  --max-context past the prompt and prefix), float32.
 - codec: per decoder block its tail (kernel - 1 x channels) and the spectral context, bfloat16; constant.
 """
 
@@ -22,6 +25,7 @@ import math
 import sys
 
 from services.common.config import VoiceChatConfig
+from services.common.loading import DEFAULT_MAX_CONTEXT
 from services.perception.streaming import SUBSAMPLING_MEL_CACHE
 
 F32, BF16 = 4, 2
@@ -39,21 +43,28 @@ def perception_bytes(cfg: VoiceChatConfig) -> int:
     return caches + lstm + (samples + mel) * F32
 
 
-def language_bytes(cfg: VoiceChatConfig, positions: int) -> int:
+def held(positions: int, keep: int, max_context: int | None) -> int:
+    """Positions an attention cache holds: every one, or with a bound the kept ones and `max_context` after."""
+    return min(positions, keep + max_context) if max_context else positions
+
+
+def language_bytes(cfg: VoiceChatConfig, positions: int, prompt: int = 0,
+                   max_context: int | None = DEFAULT_MAX_CONTEXT) -> int:
     text = cfg.text_config
     pattern = text.hybrid_override_pattern
     conv_dim = text.mamba_num_heads * text.mamba_head_dim + 2 * text.n_groups * text.ssm_state_size
     mamba = ((text.conv_kernel - 1) * conv_dim + text.mamba_num_heads * text.mamba_head_dim * text.ssm_state_size)
     attention = 2 * text.num_key_value_heads * text.head_dim * BF16
-    return pattern.count("M") * mamba * F32 + pattern.count("*") * attention * positions
+    return pattern.count("M") * mamba * F32 + pattern.count("*") * attention * held(positions, prompt, max_context)
 
 
-def speech_bytes(cfg: VoiceChatConfig, positions: int) -> int:
+def speech_bytes(cfg: VoiceChatConfig, positions: int, keep: int = 0,
+                 max_context: int | None = DEFAULT_MAX_CONTEXT) -> int:
     tts = cfg.tts_config
     per_layer = 2 * 2 * tts.num_key_value_heads * tts.head_dim * F32  # two rows, keys and values
-    held = [positions if (i + 1) % tts.sliding_window_pattern == 0 else min(positions, tts.sliding_window)
-            for i in range(tts.num_hidden_layers)]
-    return per_layer * sum(held) + 2 * 4 + tts.num_quantizers * 4  # and the random key, the codes fed back
+    layers = [held(positions, keep, max_context) if cfg.tts_config.is_global_layer(i)
+              else min(positions, tts.sliding_window) for i in range(tts.num_hidden_layers)]
+    return per_layer * sum(layers) + 2 * 4 + tts.num_quantizers * 4  # and the random key, the codes fed back
 
 
 def codec_bytes(cfg: VoiceChatConfig) -> int:
@@ -64,12 +75,16 @@ def codec_bytes(cfg: VoiceChatConfig) -> int:
     return (tails + 2 * context * (codec.n_fft // 2 + 1)) * BF16
 
 
-def state_bytes(cfg: VoiceChatConfig, frames: int, prompt_tokens: int = 0) -> dict[str, int]:
-    """Each network's session state after `frames` frames behind a system prompt of `prompt_tokens` ids."""
+def state_bytes(cfg: VoiceChatConfig, frames: int, prompt_tokens: int = 0,
+                max_context: int | None = DEFAULT_MAX_CONTEXT) -> dict[str, int]:
+    """Each network's session state after `frames` frames behind a system prompt of `prompt_tokens` ids, the
+    services' attention caches bounded to `max_context` positions past the prompt (None: unbounded)."""
     prompt_frames = int(cfg.tts_config.audio_prompt_duration / cfg.frame_duration)  # the speaker prompt, 37
     prefix = max(prompt_tokens - 1, 0)
-    return {"perception": perception_bytes(cfg), "llm": language_bytes(cfg, prompt_tokens + frames),
-            "tts": speech_bytes(cfg, prompt_frames + prefix + frames), "codec": codec_bytes(cfg)}
+    return {"perception": perception_bytes(cfg),
+            "llm": language_bytes(cfg, prompt_tokens + frames, prompt_tokens, max_context),
+            "tts": speech_bytes(cfg, prompt_frames + prefix + frames, prompt_frames + prefix, max_context),
+            "codec": codec_bytes(cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.snapshot_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--prompt-tokens", type=int, default=200, help="system prompt ids, bos and eos included")
-    parser.add_argument("--ages", default="10,60,300,600", help="session ages, seconds")
+    parser.add_argument("--ages", default="10,60,300,600,3600", help="session ages, seconds")
+    parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
+                        help=f"the services' --max-context (default {DEFAULT_MAX_CONTEXT}; 0: unbounded)")
     args = parser.parse_args(argv)
     cfg = VoiceChatConfig.from_dict(preset_config(args.preset))
     print(f"{'age':>6}  " + "  ".join(f"{name:>12}" for name in ("perception", "llm", "tts", "codec", "all")))
     for age in (float(a) for a in args.ages.split(",")):
-        sizes = state_bytes(cfg, round(age / cfg.frame_duration), args.prompt_tokens)
+        sizes = state_bytes(cfg, round(age / cfg.frame_duration), args.prompt_tokens, args.max_context)
         print(f"{age:5g}s  " + "  ".join(f"{b / 1e6:9.2f} MB" for b in (*sizes.values(), sum(sizes.values()))))
     return 0
 

@@ -454,6 +454,16 @@ class FullCache(GroupedCache):
         """What `update` does with one key."""
         return self.plan(1)
 
+    def counters(self) -> dict[str, int]:
+        """With a bound its keep and window too (-1: none), so a restored cache holds and overwrites as it did."""
+        keep, window = (self.bound.keep, self.bound.window) if self.bound is not None else (-1, -1)
+        return {**super().counters(), "keep": keep, "window": window}
+
+    def restore_counters(self, snapshot: Snapshot) -> None:
+        super().restore_counters(snapshot)
+        keep, window = snapshot.int("keep"), snapshot.int("window")
+        self.bound = Bound(keep, window) if window > 0 else None
+
     def mask(self, n: int) -> str | None:
         return "causal" if n > 1 else None
 

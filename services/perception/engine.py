@@ -455,7 +455,7 @@ class PerceptionStream:
                         "mel.total": mel.total, "mel.next_frame": mel.next_frame,
                         "encoder.consumed": enc.consumed, "encoder.emitted": enc.emitted,
                         "rnnt.last_token": rnnt.last_token, "rnnt.token_ids": rnnt.token_ids, "rnnt.text": rnnt.text,
-                        "rnnt.joined": rnnt.joined, "rnnt.last_emitted": rnnt.last_emitted}
+                        "rnnt.held": rnnt.held, "rnnt.last_emitted": rnnt.last_emitted}
         for name in ("mel_cache", "pending"):
             if (a := getattr(enc, name)) is not None:
                 state[f"encoder.{name}"] = a
@@ -484,7 +484,7 @@ class PerceptionStream:
                          [snapshot.array(f"rnnt.lstm.c.{n}") for n in depth])
         rnnt.last_token, rnnt.last_emitted = snapshot.int("rnnt.last_token"), snapshot.int("rnnt.last_emitted")
         rnnt.token_ids = snapshot.ints("rnnt.token_ids")
-        rnnt.text, rnnt.joined = snapshot.text("rnnt.text"), snapshot.text("rnnt.joined")
+        rnnt.text, rnnt.held = snapshot.text("rnnt.text"), snapshot.text("rnnt.held")
         mx.eval(stream.held_rows(), *([enc.pending] if enc.pending is not None else ()))
         return stream
 

@@ -47,3 +47,8 @@ def test_the_full_model_table(capsys):
     row = capsys.readouterr().out.splitlines()[1].split()
     # 60 s = 750 frames: the language model's 146 MB of Mamba state and 16 KB a position, speech's 516 KB
     assert row[:2] == ["60s", "14.58"] and row[3] == "161.10" and row[5] == "508.87"
+    assert main(["--ages", "3600", "--max-context", "0"]) == 0  # unbounded: speech keeps every frame's keys
+    unbounded = capsys.readouterr().out.splitlines()[1].split()
+    assert main(["--ages", "3600"]) == 0  # the default bound: the prompt and the last 8192 positions
+    bounded = capsys.readouterr().out.splitlines()[1].split()
+    assert unbounded[5] == "6652.92" and bounded[5] == "3939.14"  # the global layers: 45,236 keys or 8,428

@@ -14,7 +14,7 @@ import pytest
 from protos.voicechat.v1 import tensor_pb2
 from services.codec.engine import CodecEngine, DecodeStream
 from services.common.batching import raise_first
-from services.common.cache import STACK_ALL, FullCache, RingCache
+from services.common.cache import STACK_ALL, Bound, FullCache, RingCache
 from services.common.snapshot import Snapshot, capture, pack
 from services.llm.engine import LanguageEngine
 from services.perception.engine import PerceptionEngine, PerceptionStream
@@ -68,6 +68,23 @@ def test_an_attention_cache_keeps_only_the_keys_it_holds_and_its_counters():
     for cache in (ring, restored):
         cache.update(mx.full((1, 2, 1, 3), 6.0), mx.full((1, 2, 1, 3), 6.0))
     assert np.array_equal(np.array(ring.keys), np.array(restored.keys)) and restored.slot == ring.slot == 3
+
+
+def test_a_bounded_cache_past_its_bound_restores_its_bound_and_ring_slots():
+    bounded = FullCache(Bound(keep=2, window=3))
+    for t in range(8):
+        kv = mx.full((1, 1, 1, 2), float(t))
+        bounded.update(kv, kv)
+    state = bounded.snapshot()
+    assert (state["offset"], state["keep"], state["window"], state["keys"].shape) == (8, 2, 3, (1, 1, 5, 2))
+    restored = FullCache()  # the bound comes with the snapshot
+    restored.restore(Snapshot.from_parts(pack(capture(state))))
+    assert restored.bound == Bound(2, 3)
+    for cache in (bounded, restored):
+        seen = cache.update(mx.full((1, 1, 1, 2), 8.0), mx.full((1, 1, 1, 2), 8.0))[0]
+    assert np.array(seen)[0, 0, :, 0].tolist() == [0.0, 1.0, 8.0, 6.0, 7.0]  # the kept prompt, the ring in slot order
+    assert np.array_equal(np.array(bounded.keys), np.array(restored.keys))
+    assert FullCache().snapshot() == {"offset": 0, "capacity": 0, "keep": -1, "window": -1}
 
 
 # ---- speech ---------------------------------------------------------------------------------------------------
@@ -154,10 +171,15 @@ def _language_run(engine: LanguageEngine, fresh: LanguageEngine, snapshot_at: in
     return out
 
 
-def test_a_language_session_with_forced_tool_ids_restored_from_a_snapshot_goes_on_exactly(llm):
+@pytest.mark.parametrize("max_context", [None, 6], ids=["unbounded", "past-its-bound"])
+def test_a_language_session_with_forced_tool_ids_restored_from_a_snapshot_goes_on_exactly(llm, max_context):
     engine, fresh = llm
-    plain = _language_run(engine, fresh, None)
-    taken = _language_run(engine, fresh, AT)
+    before, engine.max_context = engine.max_context, max_context  # bounded: the prompt and the last 6 positions
+    try:
+        plain = _language_run(engine, fresh, None)
+        taken = _language_run(engine, fresh, AT)
+    finally:
+        engine.max_context = before
     assert taken["a"] == plain["a"] and taken["b"] == plain["b"]
     assert taken["restored"] == plain["a"][AT:]
     assert [plain["a"][t][1] for t in FORCED] == list(FORCED.values())
