@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from bench.service import workload
+from protos.voicechat.v1 import snapshot_pb2
 from services.common.cli import build_parser, parse_args
 from services.common.config import VoiceChatConfig
 from services.common.server import start_server
@@ -273,3 +274,62 @@ def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_che
     tts = asyncio.run(scenario("tts", speech_pb2_grpc.SpeechServiceStub, "Stream", speech_opens))
     assert tts[True][0] == tts[False][0]
     assert tts[False][1] == 1.0 and tts[True][1] > 1.5
+
+
+async def run_snapshotted(channel, load, frames: list, at: int | None) -> tuple[bytes, list, list]:
+    """One session sending every frame ahead, a snapshot request after frame `at` (None: none) among them; returns
+    its open's reply, its frames' replies and the snapshot's parts."""
+    call = getattr(load.stub(channel), load.method)()
+    await call.write(load.open)
+    opened = (await call.read()).SerializeToString(deterministic=True)
+    for index, frame in enumerate(frames):
+        await call.write(frame)
+        if index == at:
+            await call.write(type(load.open)(snapshot=snapshot_pb2.SnapshotRequest()))
+    await call.done_writing()
+    replies, parts = [], []
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        if reply.WhichOneof("payload") == "snapshot":
+            parts.append(reply.snapshot)
+        else:
+            replies.append(reply.SerializeToString(deterministic=True))
+    return opened, replies, parts
+
+
+async def run_restored(channel, load, parts: list, frames: list) -> tuple[bytes, list]:
+    """A session restored from `parts`, then sent `frames`."""
+    call = getattr(load.stub(channel), load.method)()
+    opening = type(load.open)()
+    opening.CopyFrom(load.open)
+    opening.open.restore = True
+    for message in (opening, *(type(load.open)(restore=part) for part in parts), *frames):
+        await call.write(message)
+    await call.done_writing()
+    replies = []
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        replies.append(reply.SerializeToString(deterministic=True))
+    return replies[0], replies[1:]
+
+
+@pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
+def test_a_snapshot_among_batched_streams_read_ahead_changes_no_reply_and_restores_the_session(tiny_checkpoint,
+                                                                                                name):
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    at = 2  # the snapshot follows frame 2
+
+    async def scenario():
+        async with served(name, tiny_checkpoint, "--read-ahead", "2") as (address, servicer):
+            load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
+            frames = {seed: [load.frame(i, rng) for rng in [np.random.default_rng(seed)] for i in range(FRAMES)]
+                      for seed in (11, 22)}
+            async with grpc.aio.insecure_channel(address) as channel:
+                plain = [await run_snapshotted(channel, load, frames[seed], None) for seed in (11, 22)]
+                taken = await asyncio.gather(*(run_snapshotted(channel, load, frames[seed], at if seed == 11 else None)
+                                               for seed in (11, 22)))
+                restored = await run_restored(channel, load, taken[0][2], frames[11][at + 1 :])
+            return plain, taken, restored
+
+    plain, taken, (opened, replies) = asyncio.run(scenario())
+    assert [t[:2] for t in taken] == [p[:2] for p in plain]  # neither the session nor its neighbour disturbed
+    assert taken[0][2][-1].last and not plain[0][2]
+    assert opened == plain[0][0] and replies == plain[0][1][at + 1 :]
