@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protos.voicechat.v1 import snapshot_pb2, tensor_pb2
-from services.common.tensors import from_proto, to_proto_np
+from services.common.tensors import from_proto, from_proto_np, to_proto_np
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -134,8 +134,6 @@ class Snapshot:
         return from_proto(self._get(name, tensor_pb2.Tensor))
 
     def numpy(self, name: str) -> np.ndarray:
-        from services.common.tensors import from_proto_np
-
         return from_proto_np(self._get(name, tensor_pb2.Tensor))
 
     def int(self, name: str) -> int:
