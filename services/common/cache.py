@@ -95,7 +95,7 @@ class RowSources:
     def _forget(self, key: int, ref: weakref.ref) -> None:
         """A row died: drop its entry (and with the batched array's last row, the array)."""
         if self._rows.get(key, (None,))[0] is ref:
-            del self._rows[key]
+            self._rows.pop(key, None)  # a row dropped on another thread may race `keep`: never a KeyError
 
     def gather(self, rows: list[mx.array], squeeze: bool = False) -> mx.array:
         """rows: B arrays (1, ...) (with squeeze, (...)) of one shape -> (B, ...)."""
@@ -139,7 +139,8 @@ class RowSources:
 
     def keep(self, held: set[int]) -> None:
         """Forget every row whose id is not in `held` (the rows the live sessions still hold)."""
-        self._rows = {k: v for k, v in self._rows.items() if k in held}
+        # list(...) copies the entries in one step: a row freed on another thread meanwhile runs `_forget`
+        self._rows = {k: v for k, v in list(self._rows.items()) if k in held}
 
 
 class Plan(NamedTuple):
