@@ -12,7 +12,8 @@ as fast as the server takes it (`burst`). When the conversation's audio passes e
 process's memory is sampled: its resident set (RSS, from the OS) and, for the services, MLX's active, cache and
 peak bytes from its /metrics. Per minute of --at, over the minute of frames before it: the interval between
 consecutive audio frames (p50/p95: the per-frame cost, what `burst` measures) and the duplex latency of
-orchestrator/latency.py (p50/p95/max: how far behind a live microphone, what `live` measures).
+orchestrator/latency.py (p50/p95/max: how far behind a live microphone, what `live` measures). Each row is also
+printed to stderr the moment it is taken, so a run stopped early (a time limit) still shows the minutes it reached.
 
 Flat means a row at minute 60 reads like the row at minute 10: no interval or latency growth, and no memory
 growth once the attention caches reach their bound (a session's prompt plus --max-context positions; a frame
@@ -105,9 +106,10 @@ def window_figures(outcome: Outcome, end_frame: int, budget_s: float) -> dict[st
             "deadline_misses": sum(t.late for t in window)}
 
 
-async def converse(address: str, samples, pace: str, minutes: list[float],
-                   measure) -> tuple[Outcome, list[Sample]]:
-    """The conversation, and `measure()` (every process's memory) each time its answered frames pass a minute."""
+async def converse(address: str, samples, pace: str, minutes: list[float], measure, budget_s: float,
+                   progress=None) -> tuple[Outcome, list[Sample]]:
+    """The conversation, and `measure()` (every process's memory) each time its answered frames pass a minute;
+    each sample, its figures filled from the frames answered so far, goes to `progress(sample)` as it is taken."""
     [talk] = conversations(samples, 1, max(minutes) * 60)
     outcome = Outcome("grpc")
     start = time.monotonic()
@@ -118,14 +120,18 @@ async def converse(address: str, samples, pace: str, minutes: list[float],
         due = round(pending[0] * FRAMES_PER_MINUTE)
         if outcome.frames >= due or task.done():
             memory = await asyncio.to_thread(measure)
-            taken.append(Sample(pending.pop(0), outcome.frames, time.monotonic() - start, memory))
+            sample = Sample(pending.pop(0), outcome.frames, time.monotonic() - start, memory)
+            sample.figures = window_figures(outcome, sample.frames, budget_s)
+            taken.append(sample)
+            if progress is not None:
+                progress(sample)
             continue
         await asyncio.sleep(0.05)
     return await task, taken
 
 
 def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]], samples,
-        budget_s: float) -> tuple[Outcome, list[Sample]]:
+        budget_s: float, progress=None) -> tuple[Outcome, list[Sample]]:
     """Start the services and the orchestrator, hold the conversation, stop them all."""
     served: list[subprocess.Popen] = []
     service_flags = {name: ["--metrics-port", "0", *flags.get(name, [])] for name in NETWORK}
@@ -144,22 +150,27 @@ def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]
 
         with orchestrator(model, 1, ["--services", addresses, "--max-streaming-seconds", str(seconds)],
                           served) as (address, _):
-            outcome, taken = asyncio.run(converse(address, samples, pace, minutes, measure))
-    for sample in taken:
-        sample.figures = window_figures(outcome, sample.frames, budget_s)
+            outcome, taken = asyncio.run(converse(address, samples, pace, minutes, measure, budget_s, progress))
     return outcome, taken
 
 
+HEADER = (f"{'minute':>6} {'frames':>7} {'wall s':>7} {'int p50':>8} {'int p95':>8} {'lat p50':>8} {'lat p95':>8} "
+          f"{'lat max':>8}   memory MB (rss / mlx active / mlx peak)")
+
+
+def sample_row(s: Sample) -> str:
+    f = s.figures
+    cells = " ".join("       -" if f.get(k) is None else f"{f[k]:8.1f}" for k in
+                     ("interval_p50_ms", "interval_p95_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms"))
+    memory = "  ".join(f"{name} {_mb(m.rss)}" + ("" if m.active is None else f"/{_mb(m.active)}/{_mb(m.peak)}")
+                       for name, m in s.memory.items())
+    return f"{s.minute:6g} {s.frames:7d} {s.wall_s:7.1f} {cells}   {memory}"
+
+
 def print_samples(taken: list[Sample]) -> None:
-    print(f"{'minute':>6} {'frames':>7} {'int p50':>8} {'int p95':>8} {'lat p50':>8} {'lat p95':>8} {'lat max':>8}"
-          "   memory MB (rss / mlx active / mlx peak)")
+    print(HEADER)
     for s in taken:
-        f = s.figures
-        cells = " ".join("       -" if f[k] is None else f"{f[k]:8.1f}" for k in
-                         ("interval_p50_ms", "interval_p95_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms"))
-        memory = "  ".join(f"{name} {_mb(m.rss)}" + ("" if m.active is None else f"/{_mb(m.active)}/{_mb(m.peak)}")
-                           for name, m in s.memory.items())
-        print(f"{s.minute:6g} {s.frames:7d} {cells}   {memory}")
+        print(sample_row(s))
 
 
 def _mb(value: float | None) -> str:
@@ -200,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             flags[name] += ["--max-context", str(args.max_context)]
     samples = read_audio(args.input)
     at_end = at if at[-1] == minutes else [*at, minutes]
-    outcome, taken = run(args.model, at_end, args.pace, flags, samples, args.latency_budget_s)
+    # each row also goes to stderr when it is taken: a run cut short by a time limit keeps the rows it reached
+    print(HEADER, file=sys.stderr, flush=True)
+    outcome, taken = run(args.model, at_end, args.pace, flags, samples, args.latency_budget_s,
+                         lambda sample: print(sample_row(sample), file=sys.stderr, flush=True))
     ok = outcome.done and not outcome.errors and not outcome.lost
     if args.json:
         print(json.dumps({"minutes": minutes, "pace": args.pace, "max_context": args.max_context,
