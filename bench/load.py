@@ -264,6 +264,14 @@ class LoadReport:
             {"transport": o.transport, "first_sent_s": since(o.first_sent),
              "arrivals_s": [since(t) for t in o.arrivals]} for o in self.outcomes]}
 
+    def error_counts(self) -> dict[str, int]:
+        """Each distinct error message the conversations ended with, and how many ended with it."""
+        seen: dict[str, int] = {}
+        for outcome in self.outcomes:
+            for error in outcome.errors:
+                seen[error] = seen.get(error, 0) + 1
+        return seen
+
     def rows(self) -> dict[str, dict]:
         table = {}
         for transport in sorted({o.transport for o in self.outcomes}):
@@ -381,11 +389,7 @@ def print_table(report: LoadReport) -> None:
                          else f"{value:>12}")
         print(f"{key:>18}" + "".join(cells))
     print(f"wall {report.wall_s:.1f} s")
-    seen: dict[str, int] = {}
-    for outcome in report.outcomes:
-        for error in outcome.errors:
-            seen[error] = seen.get(error, 0) + 1
-    for error, count in seen.items():
+    for error, count in report.error_counts().items():
         print(f"error x{count}: {error}")
 
 
@@ -462,8 +466,8 @@ def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dic
         args.timeline.write_text(json.dumps(report.timeline()))
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
-                          "transports": report.rows(), **({"memory_mb": {"before": before, "after": memory}}
-                                                          if memory else {})}, indent=2))
+                          "transports": report.rows(), "error_messages": report.error_counts(),
+                          **({"memory_mb": {"before": before, "after": memory}} if memory else {})}, indent=2))
     else:
         print_table(report)
         if memory:

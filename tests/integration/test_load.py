@@ -67,6 +67,16 @@ def test_settling_leaves_each_conversations_opening_out_of_the_intervals():
     assert row["frames"] == 8 and row["frames_per_s"] == 4.0  # throughput still counts every frame
 
 
+def test_the_errors_are_counted_by_message():
+    from bench.load import LoadReport, Outcome
+
+    crashed = "INTERNAL: the tts service failed"
+    report = LoadReport([Outcome("grpc", errors=[crashed]), Outcome("grpc", errors=[crashed]),
+                         Outcome("ws", errors=["connection: refused"]), Outcome("ws")], wall_s=1.0)
+    assert report.error_counts() == {crashed: 2, "connection: refused": 1}
+    assert report.rows()["grpc"]["errors"] == 2 and report.rows()["ws"]["errors"] == 1
+
+
 def test_the_timeline_gives_each_conversations_times_from_the_runs_start(tmp_path):
     from bench.load import LoadReport, Outcome
 
