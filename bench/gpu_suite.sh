@@ -29,6 +29,12 @@
 #   rtf        one session side by side with the reference (bench.rtf online --grpc), when REFERENCE_PYTHON
 #              names a Python that has mlx-vlm and mlx-audio
 #   rtf-flags  one session of ours again, its services started with ONE_FLAGS
+#   failover   (only when named in STEPS) the pause when the replica holding a conversation dies, at each of
+#              FAILOVER_AGES (10,60,300 s) in each of FAILOVER_NETWORKS (all four), with a snapshot every
+#              SNAPSHOT_SECONDS (10; 0: replay only) (bench.failover, two replicas of each service)
+#   long       (only when named in STEPS) one conversation of LONG_MINUTES (20) at LONG_PACE (burst), its
+#              services started with ONE_FLAGS: per-frame figures and every process's memory at LONG_AT
+#              minutes (1,5,10,20), each row printed as it is reached (bench.long_session)
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration; EXTRA_SERVE_FLAGS
 # are added to them), STEPS (the steps to run, default "warmup stages sweep engines contention rtf rtf-flags
@@ -153,6 +159,15 @@ fi
 if wants rtf-flags; then
   # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
   step rtf-flags "$py" -m bench.rtf online --model "$model" --seconds "$seconds" --grpc --ours-only $one_flags $mps
+fi
+if wants failover; then
+  step failover "$py" -m bench.failover --model "$model" --ages "${FAILOVER_AGES:-10,60,300}" \
+    --networks "${FAILOVER_NETWORKS:-perception,llm,tts,codec}" --snapshot-seconds "${SNAPSHOT_SECONDS:-10}"
+fi
+if wants long; then
+  # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
+  step long "$py" -m bench.long_session --model "$model" --minutes "${LONG_MINUTES:-20}" --pace "${LONG_PACE:-burst}" \
+    --at "${LONG_AT:-1,5,10,20}" $one_flags
 fi
 wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 
