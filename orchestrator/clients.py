@@ -4,7 +4,9 @@ producer's dtype). Their in-process twins, which call the engines, are in orches
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 
 from orchestrator.pending import Pending
 from orchestrator.timeline import Clients, PerceptionResult, SpeechInfo
+from orchestrator.transport import LoopCall, ThreadCall, await_on_loop, on_loop
 from protos.voicechat.v1 import (
     codec_pb2,
     codec_pb2_grpc,
@@ -28,6 +31,19 @@ from services.common.server import full_service_name
 from services.common.tensors import from_proto_np, to_proto_np
 
 MAX_MESSAGE_BYTES = 64 << 20
+
+# How a channel's streams run (orchestrator/transport.py): "aio", every stream of the process on one event loop
+# thread, or "threads", gRPC's synchronous streams (three threads a stream). VOICECHAT_TRANSPORT picks.
+TRANSPORTS = ("aio", "threads")
+TRANSPORT_ENV = "VOICECHAT_TRANSPORT"
+DEFAULT_TRANSPORT = "aio"
+
+
+def transport_from_env() -> str:
+    transport = os.environ.get(TRANSPORT_ENV) or DEFAULT_TRANSPORT
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: must be one of {', '.join(TRANSPORTS)}")
+    return transport
 
 # The health-checked service name of each network, for client-side health checking across replicas.
 HEALTH_SERVICES = {
@@ -95,14 +111,19 @@ class Channel:
     `address` is any gRPC target: HOST:PORT, `dns:///NAME:PORT` (every replica the name resolves to), or
     `ipv4:HOST:PORT,HOST:PORT`. Each new stream goes to the next healthy replica; a session is one stream,
     so it stays on the replica it started on until that replica fails, when `failover` (None: never) moves it
-    to another (orchestrator/failover.py).
+    to another (orchestrator/failover.py). `transport` (TRANSPORTS; default from VOICECHAT_TRANSPORT, else
+    "aio") is how its streams run: on the process's client event loop, or on gRPC's threads.
     """
 
     failover = None  # a FailoverPolicy; set by grpc_stream_clients
 
-    def __init__(self, name: str, address: str, stub_class, deadlines: Deadlines | None = None):
+    def __init__(self, name: str, address: str, stub_class, deadlines: Deadlines | None = None,
+                 transport: str | None = None):
         self.name, self.address = name, address
         self.deadlines = deadlines or Deadlines()
+        self.transport = transport or transport_from_env()
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r}: must be one of {', '.join(TRANSPORTS)}")
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
@@ -110,17 +131,30 @@ class Channel:
                    # a restarted replica is tried again within a second or two, not after minutes of backoff
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
-        self.channel = grpc.insecure_channel(address, options=options)
         # connect now, not at the first session's call: round robin picks among the replicas already connected,
         # so the first sessions would all land on whichever connected first
-        self._connecting = grpc.channel_ready_future(self.channel)
+        if self.transport == "aio":
+            self.channel = on_loop(lambda: grpc.aio.insecure_channel(address, options=options))
+            on_loop(lambda: self.channel.get_state(try_to_connect=True))
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+            self._connecting = grpc.channel_ready_future(self.channel)
         self.stub = stub_class(self.channel)
 
     def unary(self, method: str, request, timeout: float | None = None):
+        call, timeout = getattr(self.stub, method), timeout or self.deadlines.unary_s
         try:
-            return getattr(self.stub, method)(request, timeout=timeout or self.deadlines.unary_s)
+            if self.transport == "aio":
+                return await_on_loop(_answer(call, request, timeout))
+            return call(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise _fail(self.name, self.address, exc) from None
+
+    def open_call(self, method: str) -> LoopCall | ThreadCall:
+        """The bidi call under a BidiStream (orchestrator/transport.py), on this channel's transport."""
+        if self.transport == "aio":
+            return LoopCall(getattr(self.stub, method))
+        return ThreadCall(getattr(self.stub, method))
 
     def stream(self, method: str):
         """A BidiStream, or with a failover policy a ReplayStream (the same calls)."""
@@ -130,9 +164,30 @@ class Channel:
 
         return ReplayStream(self, method, self.failover)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the channel has a connection (to any replica); False after `timeout_s`."""
+        if self.transport == "aio":
+            try:
+                await_on_loop(asyncio.wait_for(self.channel.channel_ready(), timeout_s))
+                return True
+            except TimeoutError:
+                return False
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
     def close(self) -> None:
+        if self.transport == "aio":
+            await_on_loop(self.channel.close())
+            return
         self._connecting.cancel()
         self.channel.close()
+
+
+async def _answer(call, request, timeout: float):
+    return await call(request, timeout=timeout)  # the call made here, on the loop
 
 
 class BidiStream:
@@ -143,29 +198,16 @@ class BidiStream:
     Every answer has a deadline (the channel's `Deadlines`: `open_s` for the first, `frame_s` after, counted
     from when the caller starts waiting for it; a `warm` stream gets `frame_s` for the first too); a service that
     does not answer in time, or whose stream breaks, raises a ServiceError naming it, and the stream is then
-    closed for good (a late answer can never be taken for the next request's).
+    closed for good (a late answer can never be taken for the next request's). The call underneath runs on the
+    channel's transport (Channel.open_call).
     """
-
-    _END = object()
-    _EOF = object()
 
     def __init__(self, channel: Channel, method: str, *, warm: bool = False):
         self.channel = channel
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._responses = getattr(channel.stub, method)(iter(self._requests.get, self._END))
+        self._call = channel.open_call(method)
         self._lock = threading.Lock()  # one taker of answers at a time
         self._answers = 1 if warm else 0  # warm (a replay on a replica already serving): open_s is never used
         self._broken: ServiceError | None = None
-        threading.Thread(target=self._read, name=f"{channel.name}-replies", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for reply in self._responses:
-                self._replies.put(reply)
-            self._replies.put(self._EOF)
-        except grpc.RpcError as exc:
-            self._replies.put(exc)
 
     def call(self, message):
         return self.send(message).result()
@@ -174,7 +216,7 @@ class BidiStream:
         """Send one request; its answer comes from the returned Pending, after those of earlier requests."""
         if self._broken is not None:
             raise self._broken
-        self._requests.put(message)
+        self._call.put(message)
         return Pending(self.receive)
 
     def receive(self):
@@ -186,23 +228,22 @@ class BidiStream:
             timeout = self.channel.deadlines.open_s if self._answers == 0 else self.channel.deadlines.frame_s
             self._answers += 1
             try:
-                reply = self._replies.get(timeout=timeout)
+                reply = self._call.get(timeout)
             except queue.Empty:
                 self._broken = ServiceError(f"the {name} service at {address} did not answer within {timeout:g} s "
                                             "(deadline exceeded); its session was abandoned")
-                self._responses.cancel()
+                self._call.cancel()
                 raise self._broken from None
             if isinstance(reply, grpc.RpcError):
                 self._broken = _fail(name, address, reply)
                 raise self._broken
-            if reply is self._EOF:
+            if reply is LoopCall.EOF:
                 self._broken = ServiceError(f"the {name} service at {address} ended the session unexpectedly")
                 raise self._broken
             return reply
 
     def close(self) -> None:
-        self._requests.put(self._END)
-        self._responses.cancel()
+        self._call.close()
 
 
 # ------------------------------------------------------------------------------------------------ gRPC

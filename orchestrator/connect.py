@@ -13,8 +13,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-
 from orchestrator.clients import Deadlines, ServiceError, close_clients, grpc_clients
 from orchestrator.launcher import REPLICA, SERVICES, LaunchError, ServiceProcess, grpc_target, launched
 from orchestrator.placement import check_environment, describe, parse_gpus, service_gpus
@@ -292,10 +290,7 @@ def reconnected(clients, timeout_s: float = 30.0):
                "codec": clients.codec}
 
     async def connected(name: str) -> None:
-        channel = by_name[name].channel.channel
-        try:
-            await asyncio.to_thread(grpc.channel_ready_future(channel).result, timeout_s)
-        except grpc.FutureTimeoutError:
+        if not await asyncio.to_thread(by_name[name].channel.wait_ready, timeout_s):
             log.warning("the channel to the %s service did not reconnect within %.0f s", name, timeout_s)
 
     return connected

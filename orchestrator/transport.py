@@ -1,0 +1,186 @@
+"""The client streams of every session on one asyncio event loop (grpc.aio), not three threads a stream.
+
+gRPC's synchronous bidi streams each hold a request-iterator thread and a reply-reader thread beside the channel's
+spin thread, so a request hops stage thread -> iterator thread and its answer spin thread -> reader thread ->
+stage thread, every hop a GIL hand-off; at 16 conversations (64 streams) that machinery, not the sessions'
+logic, was most of the orchestrator's CPU. Here one daemon thread runs an event loop for the whole process; a
+stream is two small tasks on it (a writer draining the stream's outbox, a reader filling its reply queue), and a
+caller thread hands a request over with `call_soon_threadsafe` and takes an answer from a thread-safe queue:
+
+    caller thread --call_soon_threadsafe--> loop: outbox -> call.write        (one hop)
+    loop: call.read -> replies.put --------> caller thread: replies.get      (one hop)
+
+`bench/transport.py` measures it against the threaded streams (client CPU per round trip); docs/performance.md
+has the numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's client event loop, started (on a daemon thread) at the first call."""
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="grpc-client-loop", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def on_loop(function: Callable[[], T], timeout: float | None = None) -> T:
+    """function() run on the client loop (where grpc.aio objects must be made and used); its result here."""
+    loop = event_loop()
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(function())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            done.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return done.result(timeout)
+
+
+def await_on_loop(coroutine, timeout: float | None = None) -> Any:
+    """A coroutine run to its end on the client loop; its result here."""
+    return asyncio.run_coroutine_threadsafe(coroutine, event_loop()).result(timeout)
+
+
+class LoopCall:
+    """One bidirectional grpc.aio call driven from ordinary threads: `put(message)` queues a request (written in
+    order), `get(timeout)` takes the next reply, `cancel()` ends the call. `get` returns a reply, `EOF` once the
+    service ended the stream, or the grpc.RpcError that broke it; it raises queue.Empty after `timeout`.
+
+    `start` (called on the loop) opens the call: a grpc.aio stream-stream multicallable called with no request
+    iterator, e.g. `stub.Stream`.
+    """
+
+    EOF = object()
+    _END = object()
+
+    def __init__(self, start: Callable[[], grpc.aio.StreamStreamCall]):
+        self._loop = event_loop()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: asyncio.Queue | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task] = []
+        # the loop runs callbacks in the order they were scheduled, so every put below finds the call open
+        self._loop.call_soon_threadsafe(self._open, start)
+
+    def put(self, message) -> None:
+        self._loop.call_soon_threadsafe(self._enqueue, message)
+
+    def get(self, timeout: float):
+        return self._replies.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        self._loop.call_soon_threadsafe(self._cancel)
+
+    def close(self) -> None:
+        """Half-close the requests, then cancel the call (what a session's end does)."""
+        self._loop.call_soon_threadsafe(self._enqueue, self._END)
+        self.cancel()
+
+    # ------------------------------------------------------------------ on the loop
+
+    def _open(self, start: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+        self._outbox = asyncio.Queue()
+        try:
+            self._call = start()
+        except grpc.RpcError as exc:
+            self._replies.put(exc)
+            return
+        self._tasks = [self._loop.create_task(self._write()), self._loop.create_task(self._read())]
+
+    def _enqueue(self, message) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(message)
+
+    def _cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    async def _write(self) -> None:
+        call, outbox = self._call, self._outbox
+        try:
+            while (message := await outbox.get()) is not self._END:
+                await call.write(message)
+            await call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the call is over: its reader reports why
+
+    async def _read(self) -> None:
+        try:
+            while (reply := await self._call.read()) is not grpc.aio.EOF:
+                self._replies.put(reply)
+            self._replies.put(self.EOF)
+        except grpc.RpcError as exc:
+            self._replies.put(exc)
+        except asyncio.CancelledError:
+            self._replies.put(_Cancelled())
+        finally:
+            self._tasks[0].cancel()  # the writer: nothing more can be sent
+
+
+class _Cancelled(grpc.RpcError):
+    """The reply a call cancelled here ends with (grpc.aio raises CancelledError, not a status, for those)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "the stream was cancelled by this client"
+
+
+class ThreadCall:
+    """The same calls (`put`, `get`, `cancel`, `close`) over gRPC's synchronous bidi stream: a request-iterator
+    thread (gRPC's) and a reply-reader thread (this one's) per stream. `stream` is a sync stream-stream
+    multicallable, e.g. `stub.Stream`."""
+
+    EOF = LoopCall.EOF
+    _END = object()
+
+    def __init__(self, stream: grpc.StreamStreamMultiCallable):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = stream(iter(self._requests.get, self._END))
+        threading.Thread(target=self._read, name="grpc-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._responses:
+                self._replies.put(reply)
+            self._replies.put(self.EOF)
+        except grpc.RpcError as exc:
+            self._replies.put(exc)
+
+    def put(self, message) -> None:
+        self._requests.put(message)
+
+    def get(self, timeout: float):
+        return self._replies.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        self._responses.cancel()
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+        self._responses.cancel()
