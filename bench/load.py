@@ -29,6 +29,10 @@ starts (e.g. "--service-flags all=--precompile-batches=32"); `--repeat N` runs t
 server, each reported, so a second burst's memory shows beside the first's:
 
     python -m bench.load --model DIR --grpc 32 --ws 0 --pace burst --memory --repeat 2
+
+CPU: when it starts the orchestrator, a run also reports the orchestrator process's own CPU over the run (its
+/proc/PID/stat utime + stime, its services not included): seconds, and milliseconds per audio frame delivered
+(`orchestrator_cpu` in --json).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.transport import cpu_seconds
 from orchestrator.audio import read_audio, to_pcm16
 from orchestrator.latency import DEFAULT_BUDGET_S, add_budget_flag, replay, summarize
 from orchestrator.profile import percentile
@@ -254,6 +259,15 @@ class LoadReport:
     settle_frames: int = 0  # each conversation's first intervals left out of the interval percentiles and jitter
     start: float = 0.0  # monotonic time the run started
     budget_s: float = DEFAULT_BUDGET_S  # a frame later than this behind the live schedule is a deadline miss
+    orchestrator_cpu_s: float | None = None  # the orchestrator process's CPU seconds over the run (when started here)
+
+    def orchestrator_cpu(self) -> dict | None:
+        """{"seconds", "ms_per_frame"} of the orchestrator's CPU over the run, per audio frame delivered."""
+        if self.orchestrator_cpu_s is None:
+            return None
+        frames = sum(o.frames for o in self.outcomes)
+        return {"seconds": round(self.orchestrator_cpu_s, 3),
+                "ms_per_frame": round(self.orchestrator_cpu_s / frames * 1e3, 4) if frames else None}
 
     def timeline(self) -> dict:
         """Each conversation's first chunk sent and audio frames received, in seconds from the run's start."""
@@ -389,6 +403,8 @@ def print_table(report: LoadReport) -> None:
                          else f"{value:>12}")
         print(f"{key:>18}" + "".join(cells))
     print(f"wall {report.wall_s:.1f} s")
+    if (cpu := report.orchestrator_cpu()) is not None:
+        print(f"orchestrator cpu {cpu['seconds']:.2f} s, {cpu['ms_per_frame'] or 0:.3f} ms per frame delivered")
     for error, count in report.error_counts().items():
         print(f"error x{count}: {error}")
 
@@ -435,9 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     speech = read_audio(args.input)
     talks = conversations(speech, args.grpc + args.ws, args.seconds)
 
-    def run(address: str | None, url: str | None) -> LoadReport:
-        return asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks[: args.grpc],
-                                    ws_conversations=talks[args.grpc :], pace=args.pace, duration_s=args.duration))
+    def run(address: str | None, url: str | None, pid: int | None) -> LoadReport:
+        before = cpu_seconds(pid) if pid else None
+        report = asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks[: args.grpc],
+                                      ws_conversations=talks[args.grpc :], pace=args.pace, duration_s=args.duration))
+        if before is not None:
+            report.orchestrator_cpu_s = cpu_seconds(pid) - before
+        return report
 
     metrics = dict(args.service_metrics or [])
     extra = shlex.split(args.serve_flags)
@@ -447,12 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         metrics = {**started, **metrics}
     if args.memory and not metrics:
         parser.error("--memory against a running orchestrator needs its services' --service-metrics NAME=URL")
-    with (orchestrator(args.model, max(args.grpc, args.ws), extra) if start_one
+    started: list[subprocess.Popen] = []
+    with (orchestrator(args.model, max(args.grpc, args.ws), extra, started) if start_one
           else contextlib.nullcontext((None, None))) as (address, url):
         ok = True
         for _ in range(args.repeat):
             before = service_memory(metrics) if args.memory else {}
-            report = run(args.address or address, args.realtime or url)
+            report = run(args.address or address, args.realtime or url, started[0].pid if started else None)
             memory = service_memory(metrics) if args.memory else {}
             ok = show(report, args, before, memory) and ok
     return 0 if ok else 1
@@ -467,7 +488,8 @@ def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dic
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
                           "transports": report.rows(), "error_messages": report.error_counts(),
-                          **({"memory_mb": {"before": before, "after": memory}} if memory else {})}, indent=2))
+                          **({"memory_mb": {"before": before, "after": memory}} if memory else {}),
+                          **({"orchestrator_cpu": cpu} if (cpu := report.orchestrator_cpu()) else {})}, indent=2))
     else:
         print_table(report)
         if memory:
