@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,17 +30,49 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_handoff: Handoff | None = None
+
+
+class Handoff:
+    """Calls from other threads run on the loop in the order handed over, every call waiting at a wake-up run in
+    that one: under load many streams' requests share a wake-up (call_soon_threadsafe wakes the loop each time)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._calls: deque = deque()
+        self._lock = threading.Lock()
+        self._armed = False  # a run is scheduled and has not taken the calls yet
+
+    def __call__(self, function: Callable, *args) -> None:
+        with self._lock:
+            self._calls.append((function, args))
+            if self._armed:
+                return
+            self._armed = True
+        self._loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._calls, self._armed = self._calls, deque(), False
+        for function, args in calls:
+            function(*args)
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
     """The process's client event loop, started (on a daemon thread) at the first call."""
-    global _loop
+    global _loop, _handoff
     with _lock:
         if _loop is None or _loop.is_closed():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="grpc-client-loop", daemon=True).start()
-            _loop = loop
+            _loop, _handoff = loop, Handoff(loop)
         return _loop
+
+
+def handoff() -> Handoff:
+    """The client loop's Handoff."""
+    event_loop()
+    return _handoff
 
 
 def on_loop(function: Callable[[], T], timeout: float | None = None) -> T:
@@ -75,26 +108,26 @@ class LoopCall:
     _END = object()
 
     def __init__(self, start: Callable[[], grpc.aio.StreamStreamCall]):
-        self._loop = event_loop()
+        self._loop, self._handoff = event_loop(), handoff()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: asyncio.Queue | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._tasks: list[asyncio.Task] = []
         # the loop runs callbacks in the order they were scheduled, so every put below finds the call open
-        self._loop.call_soon_threadsafe(self._open, start)
+        self._handoff(self._open, start)
 
     def put(self, message) -> None:
-        self._loop.call_soon_threadsafe(self._enqueue, message)
+        self._handoff(self._enqueue, message)
 
     def get(self, timeout: float):
         return self._replies.get(timeout=timeout)
 
     def cancel(self) -> None:
-        self._loop.call_soon_threadsafe(self._cancel)
+        self._handoff(self._cancel)
 
     def close(self) -> None:
         """Half-close the requests, then cancel the call (what a session's end does)."""
-        self._loop.call_soon_threadsafe(self._enqueue, self._END)
+        self._handoff(self._enqueue, self._END)
         self.cancel()
 
     # ------------------------------------------------------------------ on the loop
