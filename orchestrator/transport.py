@@ -5,10 +5,13 @@ spin thread, so a request hops stage thread -> iterator thread and its answer sp
 stage thread, every hop a GIL hand-off; at 16 conversations (64 streams) that machinery, not the sessions'
 logic, was most of the orchestrator's CPU. Here one daemon thread runs an event loop for the whole process; a
 stream is two small tasks on it (a writer draining the stream's outbox, a reader filling its reply queue), and a
-caller thread hands a request over with `call_soon_threadsafe` and takes an answer from a thread-safe queue:
+caller thread hands a request over through the loop's Handoff (`call_soon_threadsafe`, one wake-up for all the
+requests waiting) and takes an answer from a thread-safe queue:
 
-    caller thread --call_soon_threadsafe--> loop: outbox -> call.write        (one hop)
-    loop: call.read -> replies.put --------> caller thread: replies.get      (one hop)
+    caller thread --Handoff--> loop: outbox -> call.write                    (one hop)
+    loop: call.read -> replies.put --> caller thread: replies.get            (one hop)
+
+LoopCall is that; ThreadCall the same four calls over gRPC's synchronous streams (Channel's "threads" transport).
 
 `bench/transport.py` measures it against the threaded streams (client CPU per round trip); docs/performance.md
 has the numbers.

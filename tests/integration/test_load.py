@@ -223,3 +223,17 @@ def test_the_load_bench_reads_each_services_memory_from_its_metrics(capsys):
     for bad in ("speech=http://x/metrics", "tts:http://x", "tts=ftp://x"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_service_metrics(bad)
+
+
+def test_the_orchestrators_cpu_is_reported_per_frame_delivered():
+    import os
+
+    from bench.load import LoadReport, Outcome
+    from bench.transport import cpu_seconds
+
+    outcomes = [Outcome("grpc", frames=3), Outcome("ws", frames=1)]
+    assert LoadReport(outcomes, wall_s=1.0, orchestrator_cpu_s=0.5).orchestrator_cpu() == {
+        "seconds": 0.5, "ms_per_frame": 125.0}  # 0.5 s over 4 frames
+    assert LoadReport(outcomes, wall_s=1.0).orchestrator_cpu() is None  # a running orchestrator's: not ours to read
+    sum(i * i for i in range(300_000))  # some CPU of this process, read back from /proc
+    assert cpu_seconds(os.getpid()) == pytest.approx(sum(os.times()[:2]), abs=0.03)

@@ -137,3 +137,17 @@ def test_a_killed_service_raises_a_service_error_naming_it(transport):
 def test_an_unknown_transport_is_refused_with_the_choices(service):
     with pytest.raises(ValueError, match="transport 'fibres': must be one of aio, threads"):
         Channel("tts", service, _stub, transport="fibres")
+
+
+def test_the_transport_bench_measures_every_variant_over_every_round_trip(capsys):
+    import json
+
+    from bench.transport import main
+
+    assert main(["--streams", "3", "--ahead", "1,2", "--rounds", "10", "--size", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["variant"], r["ahead"]) for r in report["rows"]] == [
+        (variant, ahead) for ahead in (1, 2) for variant in ("threads", "aio", "mux", "mux-coalesce")]
+    for row in report["rows"]:
+        assert row["streams"] == 3 and row["round_trips"] == 30  # 3 streams x 10, the warm-up left out
+        assert row["client_ms"] > 0 and row["server_ms"] >= 0 and row["per_s"] > 0
