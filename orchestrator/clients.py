@@ -39,10 +39,12 @@ TRANSPORT_ENV = "VOICECHAT_TRANSPORT"
 DEFAULT_TRANSPORT = "aio"
 
 
-def transport_from_env() -> str:
-    transport = os.environ.get(TRANSPORT_ENV) or DEFAULT_TRANSPORT
+def pick_transport(transport: str | None = None) -> str:
+    """`transport`, else $VOICECHAT_TRANSPORT, else the default; one of TRANSPORTS."""
+    source = "transport" if transport else TRANSPORT_ENV
+    transport = transport or os.environ.get(TRANSPORT_ENV) or DEFAULT_TRANSPORT
     if transport not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV}={transport!r}: must be one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"{source} {transport!r}: must be one of {', '.join(TRANSPORTS)}")
     return transport
 
 # The health-checked service name of each network, for client-side health checking across replicas.
@@ -121,9 +123,7 @@ class Channel:
                  transport: str | None = None):
         self.name, self.address = name, address
         self.deadlines = deadlines or Deadlines()
-        self.transport = transport or transport_from_env()
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport {self.transport!r}: must be one of {', '.join(TRANSPORTS)}")
+        self.transport = pick_transport(transport)
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),

@@ -151,3 +151,15 @@ def test_the_transport_bench_measures_every_variant_over_every_round_trip(capsys
     for row in report["rows"]:
         assert row["streams"] == 3 and row["round_trips"] == 30  # 3 streams x 10, the warm-up left out
         assert row["client_ms"] > 0 and row["server_ms"] >= 0 and row["per_s"] > 0
+
+
+def test_the_environment_picks_the_transport_and_a_wrong_one_is_refused(monkeypatch):
+    from orchestrator.clients import DEFAULT_TRANSPORT, TRANSPORT_ENV, pick_transport
+
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert pick_transport() == DEFAULT_TRANSPORT == "aio"
+    monkeypatch.setenv(TRANSPORT_ENV, "threads")
+    assert pick_transport() == "threads" and pick_transport("aio") == "aio"  # an explicit choice wins
+    monkeypatch.setenv(TRANSPORT_ENV, "green")
+    with pytest.raises(ValueError, match="VOICECHAT_TRANSPORT 'green': must be one of aio, threads"):
+        pick_transport()
