@@ -1,6 +1,7 @@
-"""Load: eight conversations at once (four over gRPC Converse, four over the WebSocket), 30 s of speech each,
-through `orchestrator serve` on the tiny checkpoint. No frame is lost and every conversation's outputs equal
-its solo run (the same input and seed alone on the same server); the two transports agree with each other."""
+"""Load: eight conversations at once (four over gRPC Converse, four over the WebSocket), 12 s of speech each (the
+tiny speech window wraps three times), through `orchestrator serve` on the tiny checkpoint. No frame is lost and
+every conversation's outputs equal its solo run (the same input and seed alone on the same server); the two
+transports agree with each other."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from bench.load import conversations, orchestrator, print_table, run_load
 from orchestrator.audio import read_audio
 from tests.conftest import load_golden
 
-SECONDS = 30.0
-FRAMES = 375  # 30 s of 80 ms frames
+SECONDS = 12.0
+FRAMES = 150  # 12 s of 80 ms frames
 
 
 @pytest.fixture(scope="module")
