@@ -1,25 +1,28 @@
 """The pause a conversation sees when a replica holding it fails, as a function of the conversation's age.
 
     python -m bench.failover --model DIR [--ages 10,60,300] [--networks perception,llm,tts,codec]
-                             [--input examples/question.wav] [--frame-deadline 15] [--service-flags NAME=FLAGS]
-                             [--snapshot-seconds S] [--json]
+                             [--spacing 2] [--input examples/question.wav] [--frame-deadline 15]
+                             [--service-flags NAME=FLAGS] [--snapshot-seconds S] [--json]
 
 Two replicas of each network run as child processes (as `orchestrator serve --replicas all=2` starts them), one
-`ipv4:` target per network. For each age A (seconds of audio) and each network, one conversation (the input file
-looped) is pushed as fast as the pipeline takes it for A seconds; then the replica holding the conversation's
-stream of that network is killed (SIGKILL), the conversation goes on, and the replica is started again. The pause
-is the time from the kill to the conversation's next audio frame: the stream's replay on the other replica (every
-request of the session, sent back to back; with --snapshot-seconds S, the latest snapshot restored and only the
-requests since it) plus that frame. A row also gives the frame interval before the fault, the session's replay log
-(its serialized bytes, and per frame), the steps the failover ran again and the latest snapshot's size.
+`ipv4:` target per network. For each age A (seconds of audio), one conversation (the input file looped) is pushed
+as fast as the pipeline takes it; when it is A seconds old the replica holding its stream of the first network is
+killed (SIGKILL), the conversation goes on, and every --spacing seconds after that (2 by default) the next
+network's holder is killed the same way, so one run measures every network at about the same age (A, A + 2, ...).
+The killed replicas are started again after the run. A network's pause is the time from its kill to the
+conversation's next audio frame: the stream's replay on the other replica (every request of the session, sent
+back to back; with --snapshot-seconds S, the latest snapshot restored and only the requests since it) plus that
+frame. A row also gives the frame interval before the faults, the session's replay log (its serialized bytes, and
+per frame), the steps the failover ran again and the latest snapshot's size.
 
-Each row's conversation is also run once undisturbed first, and the bench fails if the faulted run's events differ
-(the failover's guarantee).
+Each age's conversation is also run once undisturbed first, and the bench fails if the faulted run's events differ
+(the failover's guarantee). Two runs per age in all, whatever the number of networks.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -43,6 +46,7 @@ from services.common.metrics import scrape
 NETWORK = ("perception", "llm", "tts", "codec")
 HOST = "127.0.0.1"
 FRAME = 1280  # input samples per 80 ms frame
+FRAME_S = 0.08
 
 
 class Replicas:
@@ -181,31 +185,51 @@ class Row:
     snapshot_bytes: int = 0  # the network's latest snapshot in the undisturbed run
 
 
-def looped(path: Path, seconds: float) -> np.ndarray:
+def looped(path: Path, frames: int) -> np.ndarray:
+    """The input looped to `frames` frames."""
     from orchestrator.audio import read_audio
 
-    audio = read_audio(path)
-    samples = int(round(seconds * 16_000 / FRAME)) * FRAME + FRAME  # the age, plus one frame after the fault
-    return np.resize(audio, samples).astype(np.float32)
+    return np.resize(read_audio(path), frames * FRAME).astype(np.float32)
 
 
-def measure(replicas: Replicas, network: str, age_s: float, wave: np.ndarray) -> Row:
-    frames = len(wave) // FRAME - 1
+def fault_frames(age_s: float, count: int, spacing_s: float) -> list[int]:
+    """The frame after which each of `count` faults comes: the first when the session is `age_s` old (that many
+    frames through every stage), the others `spacing_s` apart.
+
+    >>> fault_frames(1.0, 3, 0.4)
+    [11, 16, 21]
+    """
+    first, step = round(age_s / FRAME_S), max(round(spacing_s / FRAME_S), 1)
+    return [first - 1 + i * step for i in range(count)]
+
+
+def measure(replicas: Replicas, networks: list[str], age_s: float, spacing_s: float, path: Path) -> list[Row]:
+    """One undisturbed run and one run that kills each network's holder in turn (in `networks`' order)."""
+    at = fault_frames(age_s, len(networks), spacing_s)
+    wave = looped(path, at[-1] + 2)  # one frame after the last fault, and the partial flush's
     calm = converse(replicas, wave)
-    faulted = converse(replicas, wave, {frames - 1: lambda: replicas.kill_holder(network)})
+    faulted = converse(replicas, wave, {k: functools.partial(replicas.kill_holder, network)
+                                        for k, network in zip(at, networks, strict=True)})
     replicas.revive()
-    gaps = np.diff(calm.arrivals)
-    history = calm.history_bytes[network]
-    return Row(network, age_s, frames, faulted.pauses()[0], float(np.median(gaps)) if len(gaps) else 0.0, history,
-               history / max(frames, 1), flat(faulted.events) == flat(calm.events) and faulted.moves[network] == 1,
-               faulted.replayed[network], calm.snapshot_bytes[network])
+    gaps = np.diff(calm.arrivals[: at[0] + 1])
+    same = flat(faulted.events) == flat(calm.events)
+    rows = []
+    for k, network, pause in zip(at, networks, faulted.pauses(), strict=True):
+        frames = k + 1
+        history = calm.history_bytes[network]
+        rows.append(Row(network, frames * FRAME_S, frames, pause, float(np.median(gaps)) if len(gaps) else 0.0,
+                        history, history / max(len(calm.arrivals), 1), same and faulted.moves[network] == 1,
+                        faulted.replayed[network], calm.snapshot_bytes[network]))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--ages", default="10,60,300", help="conversation ages at the fault, seconds of audio")
-    parser.add_argument("--networks", default=",".join(NETWORK))
+    parser.add_argument("--networks", default=",".join(NETWORK), help="killed in this order, --spacing apart")
+    parser.add_argument("--spacing", type=float, default=2.0,
+                        help="seconds of audio between one network's fault and the next's (default 2)")
     parser.add_argument("--input", type=Path, default=Path(__file__).resolve().parent.parent / "examples/question.wav")
     parser.add_argument("--frame-deadline", type=float, default=15.0, help="seconds (Deadlines.frame_s)")
     parser.add_argument("--service-flags", action="append", default=[], metavar="NAME=FLAGS",
@@ -225,16 +249,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if unknown := [n for n in networks if n not in NETWORK]:
         parser.error(f"--networks: unknown {', '.join(unknown)}; choose from {', '.join(NETWORK)}")
+    if len(set(networks)) != len(networks):
+        parser.error(f"--networks {args.networks}: name each network once (one fault each per run)")
     replicas = Replicas(args.model, Deadlines(frame_s=args.frame_deadline), flags, failover)
-    rows = []
+    rows: list[Row] = []
+    means: dict[float, float] = {}  # each age's mean pause over the networks
     try:
         for age in ages:
-            wave = looped(args.input, age)
-            for network in networks:
-                rows.append(measure(replicas, network, age, wave))
+            run = measure(replicas, networks, age, args.spacing, args.input)
+            rows += run
+            means[age] = statistics.mean(r.pause_s for r in run)
+            for r in run:
                 if not args.json:
-                    r = rows[-1]
-                    print(f"{r.network:>10} age {r.age_s:6.0f} s ({r.frames} frames): pause {r.pause_s:7.3f} s  "
+                    print(f"{r.network:>10} age {r.age_s:6.1f} s ({r.frames} frames): pause {r.pause_s:7.3f} s  "
                           f"frame {r.frame_s * 1000:6.1f} ms  log {r.history_bytes / 1e6:7.2f} MB "
                           f"({r.bytes_per_frame:.0f} B/frame)  replayed {r.replayed}  snapshot "
                           f"{r.snapshot_bytes / 1e6:.2f} MB  identical {r.identical}", flush=True)
@@ -243,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
     else:
-        by_age = {age: statistics.mean(r.pause_s for r in rows if r.age_s == age) for age in ages}
-        print("mean pause by age: " + ", ".join(f"{age:g} s -> {p:.3f} s" for age, p in by_age.items()))
+        print("mean pause by age: " + ", ".join(f"{age:g} s -> {p:.3f} s" for age, p in means.items()))
     return 0 if all(r.identical for r in rows) else 1
 
 

@@ -143,9 +143,20 @@ def test_past_the_history_cap_a_failure_ends_the_session_with_an_error_saying_so
 
 
 def test_bench_reports_the_pause_and_checks_the_events(tiny_checkpoint, capsys):
-    assert bench_main(["--model", str(tiny_checkpoint), "--ages", "1", "--networks", "tts", "--snapshot-seconds",
-                       "0.4", "--json"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)
-    assert row["network"] == "tts" and row["frames"] == 12 and row["identical"] and 0 < row["pause_s"] < 5
-    assert row["replayed"] <= 5 and row["snapshot_bytes"] > 0  # a snapshot every 5 frames, the last restored
+    assert bench_main(["--model", str(tiny_checkpoint), "--ages", "1", "--networks", "tts,llm", "--spacing", "0.4",
+                       "--snapshot-seconds", "0.4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    # one run kills each network's holder in turn: tts at 12 frames of age, the language model 5 frames later
+    assert [(r["network"], r["frames"]) for r in rows] == [("tts", 12), ("llm", 17)]
+    for row in rows:
+        assert row["identical"] and 0 < row["pause_s"] < 5
+        assert row["replayed"] <= 5 and row["snapshot_bytes"] > 0  # a snapshot every 5 frames, the last restored
+
+
+def test_the_faults_of_one_run_come_spacing_apart():
+    from bench.failover import fault_frames
+
+    assert fault_frames(1.0, 3, 0.4) == [11, 16, 21]  # after 12 frames, then every 5
+    assert fault_frames(10.0, 1, 2.0) == [124]
+    assert fault_frames(0.5, 2, 0.01) == [5, 6]  # at least a frame apart (0.5 s: 6.25 frames, rounded to 6)
 
