@@ -23,7 +23,7 @@ from services.common.batching import raise_first
 from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
 from services.common.errors import LimitExceeded
-from services.common.snapshot import Snapshot, State
+from services.common.snapshot import Marks, Snapshot, State
 
 DEFAULT_MAX_FRAMES = 4096  # about 5.5 minutes of audio per unary call
 
@@ -229,9 +229,10 @@ class DecodeStream:
         self.state = DecodeState()
         self.next_frame = 0
 
-    def snapshot(self) -> State:
+    def snapshot(self, since: Marks | None = None) -> State:
         """The stream's whole state (`services.common.snapshot`): its frame counters and causal context (each
-        decoder block's tail, the spectral frames), the context rows read in place."""
+        decoder block's tail, the spectral frames), the context rows read in place. Of a fixed size: whole in a
+        delta too (`since` unused)."""
         state: State = {"next_frame": self.next_frame, "frames_decoded": self.state.frames_decoded}
         state.update({f"tails.{index}": tail for index, tail in self.state.block_tails.items()})
         state.update({name: a for name in ("spec_real", "spec_imag") if (a := getattr(self.state, name)) is not None})

@@ -29,7 +29,7 @@ from services.common.config import VoiceChatConfig
 from services.common.engine_thread import EngineThread
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
-from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
+from services.common.snapshot import Marks, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto_np
 
 SERVICE_NAME = full_service_name(codec_pb2, "CodecService")
@@ -90,6 +90,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
         else:
             stream = await self.engine_thread.run(DecodeStream.restored, engine, snapshot)
         self.live_sessions += 1
+        marks = Marks()  # its last snapshot, which the next may build on
         try:
             yield codec_pb2.CodecDecodeStreamResponse(
                 opened=codec_pb2.CodecDecodeOpened(
@@ -100,7 +101,7 @@ class CodecServicer(codec_pb2_grpc.CodecServiceServicer):
             async def decode(request: codec_pb2.CodecDecodeStreamRequest) -> codec_pb2.CodecDecodeStreamResponse:
                 started = time.perf_counter()
                 if request.WhichOneof("payload") == "snapshot":
-                    return await snapshot_answers(self.batcher, stream, _snapshot_part)
+                    return await snapshot_answers(self.batcher, stream, request.snapshot, marks, _snapshot_part)
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError("after `open`, every DecodeStream message must be a `frame`")
                 response = await self.batcher.submit((stream, request.frame))

@@ -20,7 +20,7 @@ submitted as soon as it has arrived, while its last step still runs, and the bat
 last one ends, from the steps queued meanwhile, instead of after every handler has written its answer and read
 its next request.
 
-A session's snapshot request (`SNAPSHOT` in place of its step) queues in order with its steps but is a read, not a
+A session's snapshot request (a `SnapshotAsk` in place of its step) queues in order with its steps but is a read, not a
 step: a batch takes it, ahead of the session's next step, without giving it a slot of its own, and the services'
 batched calls answer it before they run the batch's steps (`answer_snapshots`), so the session stays in the same
 batch as its neighbours.
@@ -33,7 +33,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from services.common.engine_thread import EngineThread
 from services.common.steplog import StepLog
@@ -320,19 +320,27 @@ async def pipelined(requests: AsyncIterator[Request], start: Callable[[Request],
 _END = object()
 
 
-SNAPSHOT = object()  # an entry's request that asks for its session's state (`answer_snapshots`)
+class SnapshotAsk(NamedTuple):
+    """An entry's request that asks for its session's state (`answer_snapshots`): against the snapshot `base`
+    (0: whole), which the stream's `marks` (`snapshot.Marks`) may still know."""
+
+    base: int = 0
+    marks: Any = None
+
+
+SNAPSHOT = SnapshotAsk()  # a whole snapshot
 
 
 def is_snapshot(entry: tuple) -> bool:
-    """The batcher `reads` of the services' entries: a `(session, SNAPSHOT)` entry."""
-    return entry[1] is SNAPSHOT
+    """The batcher `reads` of the services' entries: a `(session, SnapshotAsk)` entry."""
+    return isinstance(entry[1], SnapshotAsk)
 
 
-def answer_snapshots(entries: Sequence[tuple], snapshot: Callable[[Any], Any],
+def answer_snapshots(entries: Sequence[tuple], snapshot: Callable[[Any, SnapshotAsk], Any],
                      run: Callable[[list[tuple]], Sequence[Result | BaseException]]) -> list[Result | BaseException]:
-    """A service's batched call with its snapshot entries: each `(session, SNAPSHOT)` answered by
-    `snapshot(session)` first (the batcher takes a session's snapshot only ahead of its step in the batch), then
-    `run` of the other entries, as one batch."""
+    """A service's batched call with its snapshot entries: each `(session, ask)` answered by
+    `snapshot(session, ask)` first (the batcher takes a session's snapshot only ahead of its step in the batch),
+    then `run` of the other entries, as one batch."""
     results: list = [None] * len(entries)
     steps = []
     for i, entry in enumerate(entries):
@@ -340,7 +348,7 @@ def answer_snapshots(entries: Sequence[tuple], snapshot: Callable[[Any], Any],
             steps.append(i)
             continue
         try:
-            results[i] = snapshot(entry[0])
+            results[i] = snapshot(*entry)
         except Exception as error:  # noqa: BLE001 - this entry's own error
             results[i] = error
     if steps:

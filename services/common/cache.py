@@ -54,7 +54,7 @@ import mlx.core as mx
 import numpy as np
 
 if TYPE_CHECKING:
-    from services.common.snapshot import Snapshot
+    from services.common.snapshot import Marks, Snapshot
 
 
 @functools.lru_cache(maxsize=8)
@@ -167,6 +167,7 @@ class GroupedCache(abc.ABC):
         self.group: LayerGroup | None = None
         self._row = 0  # its first row in the group's arrays
         self._capacity = 0  # its buffer size while in a group
+        self.moves = 0  # times keys it held changed slots (a trim, an append reordering them): no delta spans one
 
     @property
     def keys(self) -> mx.array | None:
@@ -211,15 +212,42 @@ class GroupedCache(abc.ABC):
     def restore_counters(self, snapshot: Snapshot) -> None:
         self.offset = snapshot.int("offset")
 
-    def snapshot(self) -> dict[str, mx.array | int]:
+    def snapshot(self, since: Marks | None = None) -> dict[str, Any]:
         """Its state: the held keys and values, (B, kv_heads, held, head_dim), read from its group's rows when it
-        is in one (the group and the cache are left as they are), and its counters."""
-        state: dict[str, mx.array | int] = dict(self.counters())
+        is in one (the group and the cache are left as they are), and its counters. With `since` (a delta) that
+        knows where it stood at the base, the keys and values are `Slices` of the slots written since."""
+        from services.common.snapshot import Slices
+
+        state: dict[str, Any] = dict(self.counters())
         keys, values = self.keys, self.values
-        if keys is not None:
-            n = self.held()
+        mark = None if keys is None else Mark(self.offset, self.moves, keys.dtype)
+        base = since.swap(self, mark) if since is not None else None
+        if keys is None:
+            return state
+        n = self.held()
+        runs = self._written_since(base, n) if base is not None else None
+        if runs is None:
             state["keys"], state["values"] = keys[..., :n, :], values[..., :n, :]
+        else:
+            for name, array in (("keys", keys), ("values", values)):
+                state[name] = Slices(2, n, [(start, array[..., start:stop, :]) for start, stop in runs])
         return state
+
+    def _written_since(self, base: Mark, held: int) -> list[tuple[int, int]] | None:
+        """The runs of slots [start, stop) written since `base`, in order (one empty run at the end when none);
+        None when the buffer's layout changed since (keys moved, another dtype) or every slot was written."""
+        written = self.offset - base.offset
+        if base.moves != self.moves or base.dtype != self.keys.dtype or not 0 <= written < held:
+            return None
+        slots = np.unique(self.slots_of_last(written))  # sorted, each slot once (a ring may pass a slot twice)
+        if not slots.size:
+            return [(held, held)]
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        return [(int(run[0]), int(run[-1]) + 1) for run in np.split(slots, breaks)]
+
+    @abc.abstractmethod
+    def slots_of_last(self, n: int) -> np.ndarray:
+        """The slots its last n single keys went to (n below what it holds; its layout unchanged meanwhile)."""
 
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""
@@ -229,6 +257,14 @@ class GroupedCache(abc.ABC):
             capacity = snapshot.int("capacity")
             self._keys, self._values = (widened(snapshot.array(name), capacity) for name in ("keys", "values"))
         self.restore_counters(snapshot)
+
+
+class Mark(NamedTuple):
+    """Where an attention cache stood at a snapshot: what a delta against that snapshot needs of it."""
+
+    offset: int
+    moves: int
+    dtype: Any
 
 
 class LayerGroup:
@@ -455,6 +491,14 @@ class FullCache(GroupedCache):
         """What `update` does with one key."""
         return self.plan(1)
 
+    def slots_of_last(self, n: int) -> np.ndarray:
+        """Key j's slot is j, past a bound the ring after the kept keys (`Bound.slot`)."""
+        keys = np.arange(self.offset - n, self.offset)
+        if self.bound is None:
+            return keys
+        keep, window = self.bound.keep, self.bound.window
+        return np.where(keys < self.bound.size, keys, keep + (keys - keep) % window)
+
     def counters(self) -> dict[str, int]:
         """With a bound its keep and window too (-1: none), so a restored cache holds and overwrites as it did."""
         keep, window = (self.bound.keep, self.bound.window) if self.bound is not None else (-1, -1)
@@ -497,6 +541,7 @@ class RingCache(GroupedCache):
             self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
         else:
             self._keys, self._values = self._in_time_order(self._keys), self._in_time_order(self._values)
+            self.moves += 1
             drop = max(self._keys.shape[2] - self.window + 1, 0)  # keep window - 1 old keys for each new one
             self._keys = mx.concatenate([self._keys[..., drop:, :], keys], axis=2)
             self._values = mx.concatenate([self._values[..., drop:, :], values], axis=2)
@@ -532,6 +577,7 @@ class RingCache(GroupedCache):
                 self._values = mx.concatenate([self._values, grow_v], axis=2)
         if plan.trim:
             self._keys, self._values = self._keys[..., plan.trim :, :], self._values[..., plan.trim :, :]
+            self.moves += 1
         self._keys[..., plan.slot : plan.slot + 1, :] = keys
         self._values[..., plan.slot : plan.slot + 1, :] = values
         self.offset += 1
@@ -544,6 +590,11 @@ class RingCache(GroupedCache):
 
     def counters(self) -> dict[str, int]:
         return {**super().counters(), "slot": self.slot}
+
+    def slots_of_last(self, n: int) -> np.ndarray:
+        """Single keys go to consecutive slots, wrapping at `window`, the last before `slot` (a buffer still
+        growing holds key j at slot j, the same)."""
+        return (self.slot - n + np.arange(n)) % self.window
 
     def restore_counters(self, snapshot: Snapshot) -> None:
         super().restore_counters(snapshot)
@@ -586,8 +637,9 @@ class MambaCache:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.conv, self.ssm) if a is not None]
 
-    def snapshot(self) -> dict[str, mx.array]:
-        """Its state: its own rows of the conv tail and SSM state (views of a pool's stacks, read as they are)."""
+    def snapshot(self, since: Marks | None = None) -> dict[str, mx.array]:
+        """Its state: its own rows of the conv tail and SSM state (views of a pool's stacks, read as they are).
+        Of a fixed size: whole in a delta too (`since` unused)."""
         return {name: a for name, a in (("conv", self.conv), ("ssm", self.ssm)) if a is not None}
 
     def restore(self, snapshot: Snapshot) -> None:

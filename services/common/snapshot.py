@@ -10,13 +10,24 @@ engine thread (it must not hold the other sessions' steps up for a copy of every
     session = engine.restore(state)             # engine thread: `state.array(name)` is the MLX array, bit for bit
 
 Every array crosses in its own dtype (tensors.py): a restored session holds exactly what the snapshot's did.
+
+Deltas: a stream's `Marks` remember where its session's growing arrays (attention caches) stood at the last
+snapshot it gave, so a snapshot asked against that one (`SnapshotRequest.base`) carries for each such array only
+the positions written since (`Slices`), every other value whole. The client keeps a `Held` state, the last whole
+snapshot with each delta since applied, and sends it whole to restore:
+
+    held = capture(session.snapshot(marks))     # engine thread, after marks.begin(base); then marks.end()
+    held_state.apply(parts)                     # the client: a whole snapshot replaces, a delta changes in place
+    parts = held_state.parts()                  # the merged state, whole, as a restore sends it
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -26,20 +37,72 @@ from services.common.tensors import from_proto, from_proto_np, to_proto_np
 if TYPE_CHECKING:
     import mlx.core as mx
 
-State = dict[str, Any]  # name -> mx.array | int | str | list[int]
+State = dict[str, Any]  # name -> mx.array | Slices | int | str | list[int]
 PART_BYTES = 8 << 20  # array bytes per part: far below the 64 MiB gRPC message limit
 
 
+@dataclass
+class Slices:
+    """An array of a delta: along `axis` its size is now `length`, and `runs` (start, array) are the positions
+    that changed since the base snapshot (at least one run, maybe empty, so the name is in the delta)."""
+
+    axis: int
+    length: int
+    runs: list[tuple[int, Any]]
+
+
+class Marks:
+    """Where a stream's session stood at the last snapshot the stream gave (`id`): a mark for each growing array
+    (its owner's choice, e.g. an attention cache's offset), so that the next snapshot, asked against that one,
+    sends what changed since.
+
+        marks.begin(request.base)         # a delta when the base is the last snapshot given, else whole
+        since = marks.swap(cache, mark)   # in the array's snapshot: its mark at the base (None: send it whole)
+        snapshot_id = marks.end()
+    """
+
+    def __init__(self) -> None:
+        self.id = 0  # the last snapshot's (0: none, or one failed midway)
+        self._marks: dict[int, tuple[Any, Any]] = {}  # id(owner) -> (owner, its mark at the last snapshot)
+        self._delta = False
+
+    def begin(self, base: int) -> int:
+        """Start a snapshot asked against `base`: returns `base` when it is a delta against it, else 0."""
+        self._delta, self.id = bool(base) and base == self.id, 0  # a snapshot that fails midway is no base
+        return base if self._delta else 0
+
+    def swap(self, owner: Any, mark: Any) -> Any:
+        """`owner`'s mark at the base when this snapshot is a delta (None: none, send it whole); `mark` is kept."""
+        old = self._marks.get(id(owner))
+        self._marks[id(owner)] = (owner, mark)
+        return old[1] if self._delta and old is not None and old[0] is owner else None
+
+    def end(self) -> int:
+        """The snapshot's id, now the base a next request may name (random: no other stream's can match)."""
+        self.id = secrets.randbits(63) + 1
+        return self.id
+
+
+def _pin(value) -> tuple:
+    """An MLX array as a new array of its current value (bfloat16 as its uint16 bits) and whether it was bf16."""
+    import mlx.core as mx
+
+    bits = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value
+    return mx.contiguous(bits), value.dtype == mx.bfloat16
+
+
 def capture(state: State) -> State:
-    """On the engine thread: each array as a new array of its current value (bfloat16 as its uint16 bits),
-    evaluated, so that `pack` may read it from another thread while the session steps on."""
+    """On the engine thread: each array (and each run of a `Slices`) as a new array of its current value
+    (bfloat16 as its uint16 bits), evaluated, so that `pack` may read it from another thread while the session
+    steps on."""
     import mlx.core as mx
 
     held: State = {}
     for name, value in state.items():
         if isinstance(value, mx.array):
-            bits = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value
-            held[name] = (mx.contiguous(bits), value.dtype == mx.bfloat16)
+            held[name] = _pin(value)
+        elif isinstance(value, Slices):
+            held[name] = Slices(value.axis, value.length, [(start, _pin(a)) for start, a in value.runs])
         elif isinstance(value, (list, tuple)):
             held[name] = np.asarray(value, dtype=np.int64).reshape(-1)
         elif isinstance(value, (bool, int, np.integer)):
@@ -48,42 +111,100 @@ def capture(state: State) -> State:
             held[name] = value
         else:
             raise TypeError(f"snapshot value {name!r} is a {type(value).__name__}; expected an array, int or text")
-    mx.eval([value[0] for value in held.values() if isinstance(value, tuple)])
+    mx.eval([a for value in held.values() for a, _ in _pinned(value)])
     return held
 
 
-def pack(held: State, part_bytes: int = PART_BYTES) -> list[snapshot_pb2.SnapshotPart]:
-    """`capture`'s values as parts of at most `part_bytes` array bytes each (a larger array spans several), the
-    last marked `last`."""
-    parts = [snapshot_pb2.SnapshotPart()]
+def _pinned(value) -> list[tuple]:
+    """The pinned arrays of a captured value."""
+    if isinstance(value, Slices):
+        return [pin for _, pin in value.runs]
+    return [value] if isinstance(value, tuple) else []
+
+
+def is_delta(held: State) -> bool:
+    """Whether a captured state sends any array as slices."""
+    return any(isinstance(value, Slices) for value in held.values())
+
+
+def pack(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0,
+         base: int = 0) -> list[snapshot_pb2.SnapshotPart]:
+    """`capture`'s values (or `Held` ones) as parts of at most `part_bytes` array bytes each (a larger array spans
+    several), each part marked with the snapshot's id and base, the last marked `last`."""
+    parts = [snapshot_pb2.SnapshotPart(id=snapshot_id, base=base)]
     room = part_bytes
 
     def add(entry: snapshot_pb2.SnapshotEntry, size: int) -> None:
         nonlocal room
         if size > room and len(parts[-1].entries):
-            parts.append(snapshot_pb2.SnapshotPart())
+            parts.append(snapshot_pb2.SnapshotPart(id=snapshot_id, base=base))
             room = part_bytes
         parts[-1].entries.append(entry)
         room -= size
 
-    for name, value in held.items():
-        if isinstance(value, str):
-            add(snapshot_pb2.SnapshotEntry(name=name, text=value), len(value))
-            continue
-        tensor = _tensor(value)
+    def add_array(name: str, tensor: tensor_pb2.Tensor, where: snapshot_pb2.SnapshotSlice | None = None) -> None:
         data = tensor.data
         for offset in range(0, max(len(data), 1), part_bytes):
             piece = tensor_pb2.Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data[offset : offset + part_bytes])
-            add(snapshot_pb2.SnapshotEntry(name=name, tensor=piece, offset=offset), len(piece.data))
+            add(snapshot_pb2.SnapshotEntry(name=name, tensor=piece, offset=offset, slice=where), len(piece.data))
+
+    for name, value in held.items():
+        if isinstance(value, str):
+            add(snapshot_pb2.SnapshotEntry(name=name, text=value), len(value))
+        elif isinstance(value, Slices):
+            for start, run in value.runs:
+                add_array(name, _tensor(run), snapshot_pb2.SnapshotSlice(axis=value.axis, start=start,
+                                                                         length=value.length))
+        else:
+            add_array(name, _tensor(value))
     parts[-1].last = True
     return parts
 
 
 def _tensor(value) -> tensor_pb2.Tensor:
-    if isinstance(value, tuple):  # an MLX array from `capture`, maybe bfloat16 bits
+    if isinstance(value, tuple):  # an MLX array from `capture` (or a Held numpy one), maybe bfloat16 bits
         array, bfloat16 = value
         return to_proto_np(np.array(array), dtype=tensor_pb2.DTYPE_BFLOAT16 if bfloat16 else None)
     return to_proto_np(value)
+
+
+class Value(NamedTuple):
+    """One value of a snapshot's parts, its pieces joined: a name, where it goes (a delta's slice, else None) and
+    the Tensor or text."""
+
+    name: str
+    slice: snapshot_pb2.SnapshotSlice | None
+    value: tensor_pb2.Tensor | str
+
+
+def joined(parts: list[snapshot_pb2.SnapshotPart]) -> tuple[list[Value], int, int]:
+    """The values of one snapshot's parts in order (an array's pieces joined), its id and its base; ValueError
+    when the parts do not make one snapshot."""
+    if not parts or not parts[-1].last or any(part.last for part in parts[:-1]):
+        raise ValueError("a snapshot must be sent whole: its parts in order, only the last marked `last`")
+    if len({(part.id, part.base) for part in parts}) != 1:
+        raise ValueError("a snapshot's parts must all carry its id and base")
+    values: list[Value] = []
+    pieces: list[list[bytes]] = []
+    for part in parts:
+        for entry in part.entries:
+            where = entry.slice if entry.HasField("slice") else None
+            if entry.WhichOneof("value") == "text":
+                values.append(Value(entry.name, None, entry.text))
+                pieces.append([])
+            elif entry.offset == 0:
+                values.append(Value(entry.name, where, tensor_pb2.Tensor(shape=entry.tensor.shape,
+                                                                         dtype=entry.tensor.dtype)))
+                pieces.append([entry.tensor.data])
+            elif (not values or values[-1].name != entry.name or values[-1].slice != where
+                  or sum(map(len, pieces[-1])) != entry.offset):
+                raise ValueError(f"snapshot entry {entry.name!r}: its pieces are out of order")
+            else:
+                pieces[-1].append(entry.tensor.data)
+    for value, chunks in zip(values, pieces, strict=True):
+        if not isinstance(value.value, str):
+            value.value.data = b"".join(chunks)
+    return values, parts[0].id, parts[0].base
 
 
 class Snapshot:
@@ -95,26 +216,15 @@ class Snapshot:
 
     @classmethod
     def from_parts(cls, parts: list[snapshot_pb2.SnapshotPart]) -> Snapshot:
-        """Join the parts' entries (an array's pieces in order); ValueError when they do not make one snapshot."""
-        if not parts or not parts[-1].last or any(part.last for part in parts[:-1]):
-            raise ValueError("a snapshot must be sent whole: its parts in order, only the last marked `last`")
-        values: dict[str, tensor_pb2.Tensor | str] = {}
-        pieces: dict[str, list[bytes]] = {}
-        for part in parts:
-            for entry in part.entries:
-                if entry.WhichOneof("value") == "text":
-                    values[entry.name] = entry.text
-                    continue
-                known = values.get(entry.name)
-                if known is None:
-                    values[entry.name] = tensor_pb2.Tensor(shape=entry.tensor.shape, dtype=entry.tensor.dtype)
-                    pieces[entry.name] = []
-                elif isinstance(known, str) or sum(map(len, pieces[entry.name])) != entry.offset:
-                    raise ValueError(f"snapshot entry {entry.name!r}: its pieces are out of order")
-                pieces[entry.name].append(entry.tensor.data)
-        for name, chunks in pieces.items():
-            values[name].data = b"".join(chunks)
-        return cls(values)
+        """Join the parts' entries (an array's pieces in order); ValueError when they do not make one whole
+        snapshot (a restore takes the client's merged state, never a delta)."""
+        values, _, base = joined(parts)
+        if base or any(value.slice is not None for value in values):
+            raise ValueError("a restore takes a whole snapshot, not a delta: send the merged state (its `Held`)")
+        by_name = {value.name: value.value for value in values}
+        if len(by_name) != len(values):
+            raise ValueError("a snapshot names each value once")
+        return cls(by_name)
 
     def scope(self, prefix: str) -> Snapshot:
         return Snapshot(self._values, f"{self._prefix}{prefix}.")
@@ -151,6 +261,119 @@ class Snapshot:
     def optional(self, name: str, read: Callable[[str], Any]) -> Any:
         """`read(name)` when the snapshot has the value, else None."""
         return read(name) if self.has(name) else None
+
+
+class _Array:
+    """A held array: `view`, the value, is the front of `buffer`, which may have room to grow along one axis (a
+    growing cache's array takes each delta without a copy of the whole array each time)."""
+
+    def __init__(self, array: np.ndarray, dtype: int):
+        self.buffer = self.view = array
+        self.dtype = dtype  # the wire dtype (bfloat16 held as its uint16 bits)
+
+    @classmethod
+    def of(cls, tensor: tensor_pb2.Tensor) -> _Array:
+        return cls(from_proto_np(tensor, bfloat16="bits"), tensor.dtype)
+
+    def resize(self, axis: int, length: int) -> None:
+        """Make the size along `axis` `length`: cut, or extended with zeros (into the buffer's room, or a buffer
+        a quarter larger than needed)."""
+        old = self.view.shape[axis]
+        if length == old:
+            return
+        shape = list(self.view.shape)
+        shape[axis] = length
+        room = list(self.buffer.shape)
+        if length > room[axis] or room[:axis] + room[axis + 1 :] != shape[:axis] + shape[axis + 1 :]:
+            room = shape[:axis] + [length + length // 4] + shape[axis + 1 :]
+            buffer = np.zeros(room, self.view.dtype)
+            kept = min(old, length)
+            buffer[_along(axis, 0, kept)] = self.view[_along(axis, 0, kept)]
+            self.buffer = buffer
+        self.view = self.buffer[_along(axis, 0, length)]
+        if length > old:
+            self.view[_along(axis, old, length)] = 0
+
+    def write(self, axis: int, start: int, array: np.ndarray) -> None:
+        self.view[_along(axis, start, start + array.shape[axis])] = array
+
+
+def _along(axis: int, start: int, stop: int) -> tuple:
+    """The index of positions start .. stop - 1 along `axis`."""
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+class Held:
+    """A session's state as a client keeps it: the last whole snapshot with every delta since applied, by name
+    (arrays as numpy, bfloat16 as its bits), sent whole again (`parts`) to restore the session.
+
+        held = Held()
+        held.apply(parts)       # True: taken (a whole snapshot, or a delta against `held.id`); False: left as it was
+        parts = held.parts()    # the merged state as one whole snapshot, as the service's would be now
+
+    A delta is checked whole before any of it applies: a ValueError (a slice that does not fit the held array)
+    leaves the held state as it was."""
+
+    def __init__(self) -> None:
+        self.id = 0  # the snapshot the held state is (0: none)
+        self._values: dict[str, _Array | str] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) if isinstance(v, str) else v.view.nbytes for v in self._values.values())
+
+    def apply(self, parts: list[snapshot_pb2.SnapshotPart]) -> bool:
+        """Take a snapshot's parts: a whole snapshot replaces the held state, a delta against it changes it; a
+        delta against another snapshot is refused (False), and the next request should ask for a whole one."""
+        values, snapshot_id, base = joined(parts)
+        if base and base != self.id:
+            return False
+        by_name: dict[str, list[Value]] = {}
+        for value in values:
+            by_name.setdefault(value.name, []).append(value)
+        changes = {name: self._checked(name, got, base) for name, got in by_name.items()}
+        self._values = {name: self._changed(name, change) for name, change in changes.items()}
+        self.id = snapshot_id
+        return True
+
+    def _checked(self, name: str, got: list[Value], base: int):
+        """A name's new value (an `_Array` or text) or its slices (axis, length, [(start, array)]), checked against
+        the held array; ValueError naming what does not fit."""
+        if got[0].slice is None:
+            if len(got) > 1:
+                raise ValueError(f"snapshot value {name!r} comes more than once")
+            return got[0].value if isinstance(got[0].value, str) else _Array.of(got[0].value)
+        held = self._values.get(name)
+        if not base or not isinstance(held, _Array):
+            raise ValueError(f"snapshot value {name!r} is a slice of an array the base does not hold")
+        axis, length = got[0].slice.axis, got[0].slice.length
+        runs = []
+        for value in got:
+            where, tensor = value.slice, value.value
+            shape = list(tensor.shape)
+            if (where is None or (where.axis, where.length) != (axis, length) or tensor.dtype != held.dtype
+                    or not 0 <= axis < held.view.ndim or len(shape) != held.view.ndim
+                    or shape[:axis] + shape[axis + 1 :] != list(held.view.shape[:axis] + held.view.shape[axis + 1 :])
+                    or where.start < 0 or where.start + shape[axis] > length):
+                raise ValueError(f"snapshot value {name!r}: a slice that does not fit the held array "
+                                 f"{list(held.view.shape)} ({held.view.dtype})")
+            runs.append((where.start, from_proto_np(tensor, bfloat16="bits")))
+        return axis, length, runs
+
+    def _changed(self, name: str, change) -> _Array | str:
+        if not isinstance(change, tuple):
+            return change
+        axis, length, runs = change
+        held = self._values[name]
+        held.resize(axis, length)
+        for start, array in runs:
+            held.write(axis, start, array)
+        return held
+
+    def parts(self, part_bytes: int = PART_BYTES) -> list[snapshot_pb2.SnapshotPart]:
+        """The held state as the parts of one whole snapshot."""
+        return pack({name: v if isinstance(v, str) else (v.view, v.dtype == tensor_pb2.DTYPE_BFLOAT16)
+                     for name, v in self._values.items()}, part_bytes)
 
 
 def prefixed(prefix: str, state: State) -> State:
@@ -194,18 +417,32 @@ async def restoring(restore: bool, requests: AsyncIterator) -> Snapshot | None:
     return await asyncio.to_thread(Snapshot.from_parts, await read_restore(requests))
 
 
-async def snapshot_answers(batcher, session, respond: Callable[[snapshot_pb2.SnapshotPart], Any]) -> list:
-    """A snapshot request's answers: `respond(part)` for each part of the session's state, captured on the engine
-    thread in order with the session's queued steps (`batching.SNAPSHOT`), packed off it."""
-    from services.common.batching import SNAPSHOT
+class Taken(NamedTuple):
+    """A snapshot as the engine thread took it: the captured state, its id and the base it is a delta against."""
 
-    held = await batcher.submit((session, SNAPSHOT))
-    return [respond(part) for part in await asyncio.to_thread(pack, held)]
+    held: State
+    id: int
+    base: int
 
 
-def take_snapshot(session) -> State:
-    """What the engine thread does for a snapshot entry (`batching.answer_snapshots`)."""
-    return capture(session.snapshot())
+async def snapshot_answers(batcher, session, request: snapshot_pb2.SnapshotRequest, marks: Marks,
+                           respond: Callable[[snapshot_pb2.SnapshotPart], Any]) -> list:
+    """A snapshot request's answers: `respond(part)` for each part of the session's state (a delta against
+    `request.base` when `marks`, the stream's, still know it), captured on the engine thread in order with the
+    session's queued steps (`batching.SnapshotAsk`), packed off it."""
+    from services.common.batching import SnapshotAsk
+
+    taken = await batcher.submit((session, SnapshotAsk(request.base, marks)))
+    return [respond(part) for part in await asyncio.to_thread(pack, taken.held, PART_BYTES, taken.id, taken.base)]
+
+
+def take_snapshot(session, ask) -> Taken:
+    """What the engine thread does for a snapshot entry (`batching.answer_snapshots`): the session's state, only
+    what changed since `ask.base` when its marks know that snapshot."""
+    marks = ask.marks if ask.marks is not None else Marks()
+    base = marks.begin(ask.base)
+    held = capture(session.snapshot(marks))
+    return Taken(held, marks.end(), base if is_delta(held) else 0)
 
 
 async def flattened(answers: AsyncIterator) -> AsyncIterator:

@@ -35,7 +35,7 @@ from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
-from services.common.snapshot import Snapshot, State, items
+from services.common.snapshot import Marks, Snapshot, State, items
 from services.llm.nemotron_h import (
     WEIGHT_PREFIXES,
     Block,
@@ -157,16 +157,17 @@ class LanguageSession:
             return StepOutput(self.prev_text, self.prev_function)
         return StepOutput(self.prev_text, self.prev_function, text_logits, function_logits)
 
-    def snapshot(self) -> State:
+    def snapshot(self, since: Marks | None = None) -> State:
         """The session's whole state (`services.common.snapshot`): counters, the previous ids, a forced function
         id still to use (-1: none), every layer cache's own rows (`caches.I.*`) or the full-history inputs. The
-        prompt rows are not in it: a restore looks them up again from the open message."""
+        prompt rows are not in it: a restore looks them up again from the open message. With `since` (a delta),
+        the attention caches give only the keys written since the base; the rest is whole."""
         if self.closed:
             raise ValueError(f"session {self.session_id} is closed")
         state: State = {"positions": self.positions, "prompt_positions": self.prompt_positions, "frames": self.frames,
                         "prev_text": self.prev_text, "prev_function": self.prev_function,
                         "forced_function": -1 if self.forced_function is None else self.forced_function}
-        state.update(items(self.caches, "caches", lambda cache: cache.snapshot()))
+        state.update(items(self.caches, "caches", lambda cache: cache.snapshot(since)))
         if self.history:
             state["history"] = mx.concatenate(self.history, axis=1)  # (1, positions, D)
         return state

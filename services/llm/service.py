@@ -30,7 +30,7 @@ from services.common.engine_thread import EngineThread
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
-from services.common.snapshot import Snapshot, flattened, restoring, snapshot_answers, take_snapshot
+from services.common.snapshot import Marks, Snapshot, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto, to_proto
 from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession, StepOutput
 
@@ -83,6 +83,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         snapshot = await restoring(spec.restore, request_iterator)
         session = await self.engine_thread.run(_open, engine, spec, snapshot)
         self.live_sessions += 1
+        marks = Marks()  # its last snapshot, which the next may build on
         try:
             # The prompt is fed a row per batch, with other sessions' steps and rows: an opening session does
             # not hold the engine for its whole prompt, and sessions opening together feed theirs together.
@@ -94,7 +95,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             async def step(request: language_pb2.LanguageStreamRequest) -> language_pb2.LanguageStreamResponse:
                 started = time.perf_counter()
                 if request.WhichOneof("payload") == "snapshot":
-                    return await snapshot_answers(self.batcher, session, _snapshot_part)
+                    return await snapshot_answers(self.batcher, session, request.snapshot, marks, _snapshot_part)
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every Stream message must be a `step` (LanguageStep)")
                 if not request.step.HasField("audio_embedding"):

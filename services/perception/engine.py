@@ -27,7 +27,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, LoadOptions
-from services.common.snapshot import Snapshot, State, numbered
+from services.common.snapshot import Marks, Snapshot, State, numbered
 from services.perception.conformer import Conformer, Conv, LayerNorm
 from services.perception.mel import MelStream, log_mel, push_stacked
 from services.perception.rnnt import (
@@ -446,10 +446,10 @@ class PerceptionStream:
         return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
                 *enc.padded_rows(), *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
 
-    def snapshot(self) -> State:
+    def snapshot(self, since: Marks | None = None) -> State:
         """The session's whole state (`services.common.snapshot`): the mel stream's sample tail and counters, the
         encoder's caches (the real rows of caches still filling) and counters, the RNNT decoder's last token, LSTM
-        state and transcript so far."""
+        state and transcript so far. Of a fixed size: whole in a delta too (`since` unused)."""
         mel, enc, rnnt = self.mel, self.encoder, self.rnnt
         state: State = {"frame_index": self.frame_index, "mel.samples": mel.samples, "mel.offset": mel.offset,
                         "mel.total": mel.total, "mel.next_frame": mel.next_frame,

@@ -28,7 +28,7 @@ from services.common.errors import ServiceUnavailable
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import Registration, full_service_name
-from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
+from services.common.snapshot import Marks, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto
 from services.perception.engine import PerceptionEngine, PerceptionStream, StreamFrame
 
@@ -85,6 +85,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
         else:
             stream = await self.engine_thread.run(PerceptionStream.restored, engine, snapshot)
         self.live_sessions += 1
+        marks = Marks()  # its last snapshot, which the next may build on
         try:
             yield perception_pb2.PerceptionStreamResponse(
                 opened=perception_pb2.PerceptionOpened(frame_samples=engine.frame_samples,
@@ -96,7 +97,7 @@ class PerceptionServicer(perception_pb2_grpc.PerceptionServiceServicer):
                 nonlocal expected
                 started = time.perf_counter()
                 if request.WhichOneof("payload") == "snapshot":
-                    return await snapshot_answers(self.batcher, stream, _snapshot_part)
+                    return await snapshot_answers(self.batcher, stream, request.snapshot, marks, _snapshot_part)
                 if request.WhichOneof("payload") != "frame":
                     raise ValueError(f"after `open` every Stream message must be `frame`, got "
                                      f"{request.WhichOneof('payload') or 'an empty message'}")

@@ -42,7 +42,7 @@ from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
-from services.common.snapshot import Snapshot, State, items
+from services.common.snapshot import Marks, Snapshot, State, items
 from services.tts.blocks import GemmaRMSNorm
 from services.tts.model import EarTts
 from services.tts.mog import MoGHead
@@ -324,11 +324,12 @@ class TTSSession:
                                                     if a is not None])
         return session
 
-    def snapshot(self) -> State:
+    def snapshot(self, since: Marks | None = None) -> State:
         """The session's whole state (`services.common.snapshot`): steps taken, its random key, the codes fed back
-        next and every layer cache's own rows (`caches.I.*`, read from a group's rows in place)."""
+        next and every layer cache's own rows (`caches.I.*`, read from a group's rows in place); with `since` (a
+        delta) only the keys each cache wrote since the base."""
         state: State = {"steps": self.steps, "rng": self.rng.key, "previous": self.previous}
-        state.update(items(self.caches, "caches", lambda cache: cache.snapshot()))
+        state.update(items(self.caches, "caches", lambda cache: cache.snapshot(since)))
         return state
 
     @property

@@ -21,7 +21,7 @@ from services.common.errors import ServiceUnavailable
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
-from services.common.snapshot import flattened, restoring, snapshot_answers, take_snapshot
+from services.common.snapshot import Marks, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto_np, to_proto_np
 from services.tts.engine import DEFAULT_MAX_PREFIX_STEPS, TTSEngine, TTSSession
 
@@ -83,6 +83,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         else:
             session = await self.engine_thread.run(TTSSession.restored, engine, snapshot)
         self.live_sessions += 1
+        marks = Marks()  # its last snapshot, which the next may build on
         try:
             # The prefix's pad steps go through the batcher like any step: an opening session does not hold the
             # engine for its whole prefix, and sessions opening together run theirs together.
@@ -96,7 +97,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 nonlocal expected
                 started = time.perf_counter()
                 if request.WhichOneof("payload") == "snapshot":
-                    return await snapshot_answers(self.batcher, session, _snapshot_part)
+                    return await snapshot_answers(self.batcher, session, request.snapshot, marks, _snapshot_part)
                 if request.WhichOneof("payload") != "step":
                     raise ValueError("after `open`, every SpeechStream message must be a `step`")
                 step = request.step

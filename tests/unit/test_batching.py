@@ -424,7 +424,8 @@ def test_a_keyed_batch_takes_one_step_per_session_and_keeps_each_sessions_order(
 
 def test_a_snapshot_comes_along_ahead_of_its_sessions_step_and_takes_no_slot(engine_thread):
     keyed = Keyed()
-    batcher = StepBatcher(engine_thread, lambda entries: answer_snapshots(entries, lambda s: f"state of {s}", keyed),
+    state = lambda session, ask: f"state of {session}"  # noqa: E731 - the snapshot an ask gets
+    batcher = StepBatcher(engine_thread, lambda entries: answer_snapshots(entries, state, keyed),
                           max_batch=2, key=lambda entry: entry[0], reads=is_snapshot)
 
     async def scenario():

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.voicechat.v1 import tensor_pb2 as protos_dot_voicechat_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/voicechat/v1/snapshot.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\x11\n\x0fSnapshotRequest\"n\n\rSnapshotEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x42\x07\n\x05value\"J\n\x0cSnapshotPart\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.voicechat.v1.SnapshotEntry\x12\x0c\n\x04last\x18\x02 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/voicechat/v1/snapshot.proto\x12\x0cvoicechat.v1\x1a protos/voicechat/v1/tensor.proto\"\x1f\n\x0fSnapshotRequest\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x04\"<\n\rSnapshotSlice\x12\x0c\n\x04\x61xis\x18\x01 \x01(\x05\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\"\x9a\x01\n\rSnapshotEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.voicechat.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12*\n\x05slice\x18\x05 \x01(\x0b\x32\x1b.voicechat.v1.SnapshotSliceB\x07\n\x05value\"d\n\x0cSnapshotPart\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.voicechat.v1.SnapshotEntry\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\n\n\x02id\x18\x03 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x04 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voicechat.v1.snapsho
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SNAPSHOTREQUEST']._serialized_start=86
-  _globals['_SNAPSHOTREQUEST']._serialized_end=103
-  _globals['_SNAPSHOTENTRY']._serialized_start=105
-  _globals['_SNAPSHOTENTRY']._serialized_end=215
-  _globals['_SNAPSHOTPART']._serialized_start=217
-  _globals['_SNAPSHOTPART']._serialized_end=291
+  _globals['_SNAPSHOTREQUEST']._serialized_end=117
+  _globals['_SNAPSHOTSLICE']._serialized_start=119
+  _globals['_SNAPSHOTSLICE']._serialized_end=179
+  _globals['_SNAPSHOTENTRY']._serialized_start=182
+  _globals['_SNAPSHOTENTRY']._serialized_end=336
+  _globals['_SNAPSHOTPART']._serialized_start=338
+  _globals['_SNAPSHOTPART']._serialized_end=438
 # @@protoc_insertion_point(module_scope)
