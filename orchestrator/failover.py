@@ -15,11 +15,17 @@ on the answers still owed. The caller sees a slower answer, never an error:
     reply = pending.result()                                  # after a failover if the replica died meanwhile
 
 Snapshots bound the replay: every `snapshot_frames` steps the stream also sends a snapshot request (answered in
-order by the session's whole state, protos/voicechat/v1/snapshot.proto; never handed to the caller), keeps the
-latest snapshot and drops the log before it. A failover then opens the new stream with the opening message marked
+order by the session's state, protos/voicechat/v1/snapshot.proto; never handed to the caller), keeps the latest
+snapshot and drops the log before it. A failover then opens the new stream with the opening message marked
 `restore` followed by the snapshot's parts, and replays only the steps since: the pause no longer grows with the
 session's age, and the log never passes the interval. The new replica's answer to the restoring open must equal
 the first one's (the guard's other half).
+
+Each request after the first names the snapshot the stream holds as its base, and the service answers with a
+delta (the attention keys written since, the fixed-size states whole), which the stream merges into the state it
+holds (`snapshot.Held`): what crosses each interval is bounded by the interval, not by the session's age. A delta
+that does not apply (its base unknown) is dropped, the log kept, and the next request asks for a whole snapshot;
+after a failover the next one is whole too (the new replica knows only the state it restored).
 
 Memory: the log holds each request as sent (its serialized size, per 80 ms frame, on the full model: perception
 5137 B (1280 float32 samples), language about 17.9 KB (a 4480-float32 audio embedding), speech about 8 B, codec
@@ -40,6 +46,7 @@ from dataclasses import dataclass
 from orchestrator.clients import BidiStream, Channel, ServiceError
 from orchestrator.pending import Pending
 from protos.voicechat.v1 import snapshot_pb2
+from services.common.snapshot import Held
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +98,10 @@ class ReplayStream:
 
     Requests and answers stay paired in order across a failover: requests sent while one is under way are logged
     and go to the new replica after the replayed ones. `failovers` counts the moves, `snapshots` the snapshots
-    taken, `replayed` the steps the last move ran again to rebuild the session (those answered before it: since
-    the snapshot it restored, or since the open); `history_bytes` is the opening message's and the log's
-    serialized size, `snapshot_bytes` the latest snapshot's.
+    taken (`deltas` of them deltas), `replayed` the steps the last move ran again to rebuild the session (those
+    answered before it: since the snapshot it restored, or since the open); `history_bytes` is the opening
+    message's and the log's serialized size, `snapshot_bytes` the held snapshot's arrays and texts, `received_bytes`
+    the serialized size of the last snapshot received (a delta: what an interval costs).
     """
 
     def __init__(self, channel: Channel, method: str, policy: FailoverPolicy):
@@ -104,15 +112,16 @@ class ReplayStream:
         self._log: list | None = []  # the steps from caller request `_base` on; None once past the cap
         self._base = 1  # the caller's request index of _log[0] (0 is the opening message)
         self._sent = 0  # caller requests sent
-        self._snapshot: list[snapshot_pb2.SnapshotPart] | None = None  # the latest, taken at request `_base`
+        self._snapshot: Held | None = None  # the latest, taken at request `_base`, deltas merged
+        self._builds_on = 0  # the snapshot the next request names as its base (0: ask for a whole one)
         self._asked: deque[int] = deque()  # snapshot requests on this stream: the caller requests sent before each
         self._taken = 0  # answers handed to the caller
         self._last = None  # the last of them (the replay's determinism guard)
         self._send_lock = threading.Lock()  # the log and the stream it goes to change together
         self._take_lock = threading.Lock()  # one taker of answers at a time (and the failover runs under it)
         self._closed = False
-        self.failovers = self.snapshots = self.replayed = 0
-        self.history_bytes = self.snapshot_bytes = 0
+        self.failovers = self.snapshots = self.deltas = self.replayed = 0
+        self.history_bytes = self.snapshot_bytes = self.received_bytes = 0
 
     def call(self, message):
         return self.send(message).result()
@@ -124,7 +133,7 @@ class ReplayStream:
             try:
                 self._stream.send(message)
                 if self._snapshot_due():
-                    self._stream.send(type(message)(snapshot=snapshot_pb2.SnapshotRequest()))
+                    self._stream.send(type(message)(snapshot=snapshot_pb2.SnapshotRequest(base=self._builds_on)))
                     self._asked.append(self._sent)
             except ServiceError:
                 if self._log is None:
@@ -172,7 +181,8 @@ class ReplayStream:
                 return reply
 
     def _keep_snapshot(self, at: int) -> None:
-        """Take the parts of the snapshot asked for after `at` caller requests; keep it and drop the log before."""
+        """Take the parts of the snapshot asked for after `at` caller requests; merge it into the held one (a
+        whole one replaces it) and drop the log before. A delta that does not apply leaves both as they were."""
         parts = []
         while not parts or not parts[-1].last:
             reply = self._stream.receive()
@@ -181,14 +191,27 @@ class ReplayStream:
                                    f"{reply.WhichOneof('payload')}: it does not take snapshots (update it, or run the "
                                    "orchestrator with --snapshot-seconds 0)", "UNIMPLEMENTED")
             parts.append(reply.snapshot)
+        # only this thread (the taker's) changes or reads the held state, off the lock the senders take
+        held = self._snapshot if self._snapshot is not None and parts[0].base else Held()
+        try:
+            taken = held.apply(parts)
+        except ValueError as exc:
+            log.warning("the %s session's snapshot could not be merged (%s): the next one is asked whole",
+                        self.channel.name, exc)
+            taken = False
         with self._send_lock:
+            if not taken:
+                self._builds_on = 0
+                return
             if self._log is None:
                 return
             dropped, self._log = self._log[: at - self._base], self._log[at - self._base :]
             self.history_bytes -= sum(message.ByteSize() for message in dropped)
-            self._snapshot, self._base = parts, at
-            self.snapshot_bytes = sum(part.ByteSize() for part in parts)
+            self._snapshot, self._base, self._builds_on = held, at, held.id
+            self.snapshot_bytes = held.nbytes
+            self.received_bytes = sum(part.ByteSize() for part in parts)
             self.snapshots += 1
+            self.deltas += bool(parts[0].base)
 
     def _fail_over(self, failure: ServiceError) -> None:
         """Restore or replay on a new stream until one replica takes the session, or raise a ServiceError."""
@@ -227,6 +250,7 @@ class ReplayStream:
             # left in seconds for the next attempt, when the channel's keepalive has taken it out of the rotation
             old, self._stream = self._stream, BidiStream(self.channel, self.method, warm=True)
             self._asked.clear()  # the snapshots asked of the old stream are lost with it
+            self._builds_on = 0  # and the new replica knows no snapshot of the session to build on
             for message in self._opening():
                 self._stream.send(message)
             for message in self._log:
@@ -241,7 +265,7 @@ class ReplayStream:
         opening = type(self._open)()
         opening.CopyFrom(self._open)
         opening.open.restore = True
-        return [opening, *(type(self._open)(restore=part) for part in self._snapshot)]
+        return [opening, *(type(self._open)(restore=part) for part in self._snapshot.parts())]
 
     def _discard_answered(self, stream: BidiStream) -> None:
         """Take the answers the caller already has from the new stream: its open's, which must equal the first

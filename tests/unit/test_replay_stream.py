@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from orchestrator import failover
@@ -9,6 +10,8 @@ from orchestrator.clients import Deadlines, ServiceError
 from orchestrator.failover import FailoverPolicy, ReplayStream
 from orchestrator.pending import Pending
 from protos.voicechat.v1 import snapshot_pb2, speech_pb2
+from services.common.snapshot import Snapshot
+from services.common.tensors import to_proto_np
 
 
 def request(i: int) -> speech_pb2.SpeechStreamRequest:
@@ -161,7 +164,7 @@ class Session:
             chunks = [self.seen[i :: self.parts] for i in range(self.parts)]  # any split: the order is the test's
             for i, chunk in enumerate(chunks):
                 part = snapshot_pb2.SnapshotPart(last=i == self.parts - 1, entries=[
-                    snapshot_pb2.SnapshotEntry(name=str(n), text=str(v)) for n, v in enumerate(chunk)])
+                    snapshot_pb2.SnapshotEntry(name=f"{i}.{n}", text=str(v)) for n, v in enumerate(chunk)])
                 self.answers.append(speech_pb2.SpeechStreamResponse(snapshot=part))
             self.seen = [v for chunk in chunks for v in chunk]  # what a restore of these parts holds
         else:
@@ -215,8 +218,9 @@ def test_a_failover_restores_the_snapshot_and_replays_only_the_steps_since(repli
     assert taken == uninterrupted(11) and stream.failovers == 1
     # the snapshot after step 6, then steps 7 (answered already: discarded, the guard's check), 8 and 9; then
     # the new steps, the snapshot the first replica was asked for after step 9 (lost with it) asked again
-    assert second.received == ["open+restore", "restore", "restore", "step 7", "step 8", "step 9", "step 10",
-                               "snapshot", "step 11"]
+    # (the snapshot held as one state, sent whole again: its values fit one part)
+    assert second.received == ["open+restore", "restore", "step 7", "step 8", "step 9", "step 10", "snapshot",
+                               "step 11"]
     assert stream.snapshots == 3
 
 
@@ -226,8 +230,8 @@ def test_a_failure_before_a_snapshot_answer_came_restores_the_one_before(replica
     stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
     assert converse(stream, range(1, 10)) == uninterrupted(9)
     # the snapshot after step 3 restored, the steps since replayed; the lost one asked again with the next step
-    assert second.received == ["open+restore", "restore", "restore", "step 4", "step 5", "step 6", "step 7",
-                               "step 8", "snapshot", "step 9"]
+    assert second.received == ["open+restore", "restore", "step 4", "step 5", "step 6", "step 7", "step 8",
+                               "snapshot", "step 9"]
     assert stream.snapshots == 2
 
 
@@ -252,3 +256,72 @@ def test_the_snapshot_interval_must_fit_in_the_history_kept():
     assert FailoverPolicy.every(30).snapshot_frames == 375 and FailoverPolicy.every(0).snapshot_frames == 0
     with pytest.raises(ValueError, match="--snapshot-seconds -1: must be 0"):
         FailoverPolicy.every(-1)
+
+
+# ---- deltas ---------------------------------------------------------------------------------------------------
+
+
+class Growing(Session):
+    """A scripted replica whose state grows: the text ids so far as one int64 array "seen". A snapshot asked against
+    the last one it gave (and still known: `forget` makes it unknown) is a delta, the ids since as a slice."""
+
+    def __init__(self, dies_after: int | None = None, refuse_base: bool = False):
+        super().__init__(dies_after)
+        self.refuse_base = refuse_base  # answer a delta against a base the client never got
+        self.given: tuple[int, int] = (0, 0)  # the last snapshot's id and how many ids it held
+        self.bases: list[int] = []  # each snapshot request's base
+
+    def send(self, message) -> Pending:
+        kind = message.WhichOneof("payload")
+        if kind == "restore":
+            self.received.append("restore")
+            snapshot = Snapshot.from_parts([message.restore])  # a restore is whole: a delta here is a ValueError
+            self.seen = snapshot.ints("seen")
+            self.answers.append(speech_pb2.SpeechStreamResponse(opened=speech_pb2.SpeechOpened(prompt_frames=3)))
+            return Pending(self.receive)
+        if kind != "snapshot":
+            return super().send(message)
+        self.received.append("snapshot")
+        base = message.snapshot.base
+        self.bases.append(base)
+        known, count = self.given
+        new_id = 1000 + len(self.bases)
+        entry = snapshot_pb2.SnapshotEntry(name="seen")
+        if base and (base == known or self.refuse_base):
+            entry.tensor.CopyFrom(to_proto_np(np.asarray(self.seen[count:], np.int64)))
+            entry.slice.CopyFrom(snapshot_pb2.SnapshotSlice(axis=0, start=count, length=len(self.seen)))
+            base = base if not self.refuse_base else 999
+        else:
+            entry.tensor.CopyFrom(to_proto_np(np.asarray(self.seen, np.int64)))
+            base = 0
+        counter = snapshot_pb2.SnapshotEntry(name="steps", tensor=to_proto_np(np.asarray(len(self.seen), np.int64)))
+        part = snapshot_pb2.SnapshotPart(entries=[entry, counter], last=True, id=new_id, base=base)
+        self.answers.append(speech_pb2.SpeechStreamResponse(snapshot=part))
+        self.given = (new_id, len(self.seen))
+        return Pending(self.receive)
+
+
+def test_after_the_first_snapshot_each_is_a_delta_merged_into_the_held_state(replicas):
+    first, second = Growing(dies_after=1 + 10 + 3), Growing()  # the open, 10 steps and three snapshots answered
+    replicas += [first, second]
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    assert converse(stream, range(1, 11)) == uninterrupted(10)
+    assert first.bases == [0, 1001, 1002] and (stream.snapshots, stream.deltas) == (3, 2)
+    # the held state: nine ids and the step counter, int64; the last delta carried the three ids since (and its
+    # framing), less than the state it completed
+    assert stream.snapshot_bytes == 9 * 8 + 8 and 3 * 8 < stream.received_bytes < stream.snapshot_bytes
+    taken = [stream.send(request(i)).result().step.frame_index for i in (11, 12)]  # the first replica died
+    assert taken == uninterrupted(12)[10:] and stream.failovers == 1
+    # the merged state restored (whole), step 10 run again, then the new steps, the next snapshot asked whole
+    assert second.received == ["open+restore", "restore", "step 10", "step 11", "step 12", "snapshot"]
+    assert second.bases == [0]  # the new replica knows no snapshot of the session
+
+
+def test_a_delta_against_another_base_is_dropped_and_the_next_asked_whole(replicas):
+    replica = Growing(refuse_base=True)
+    replicas.append(replica)
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    assert converse(stream, range(1, 11)) == uninterrupted(10)
+    # whole, then a delta against base 999 (refused: the log since the first kept), then whole again
+    assert replica.bases == [0, 1001, 0] and (stream.snapshots, stream.deltas) == (2, 0)
+
