@@ -125,6 +125,7 @@ class Conversation:
     history_bytes: dict[str, int]  # each network's replay log at the end, serialized bytes
     replayed: dict[str, int] = field(default_factory=dict)  # steps each network's last failover ran again
     snapshot_bytes: dict[str, int] = field(default_factory=dict)  # each network's latest snapshot at the end
+    deltas: dict[str, int] = field(default_factory=dict)  # snapshots each network's stream took as deltas
 
     def pauses(self) -> list[float]:
         """Seconds from each fault to the next audio event."""
@@ -160,6 +161,7 @@ def converse(replicas: Replicas, wave: np.ndarray, faults: dict | None = None, *
         session.flush(pad_partial=True)
         out.moves = {name: s.stream.failovers for name, s in streams.items()}
         out.replayed = {name: getattr(s.stream, "replayed", 0) for name, s in streams.items()}
+        out.deltas = {name: getattr(s.stream, "deltas", 0) for name, s in streams.items()}
     finally:
         session.close()
     return out

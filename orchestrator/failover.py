@@ -56,7 +56,8 @@ RECOVERABLE = (None, "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED")
 DEFAULT_HISTORY_FRAMES = 7500  # 600 s of 80 ms frames: the conversation service's default stream length
 # Off by default: on the full model a session's state is about 146 MB on the language model (its Mamba states) and
 # 516 KB a frame of age on the speech model (its attention caches: 0.5 GB at one minute, 3.9 GB at ten), which the
-# orchestrator would hold and receive each interval (`python -m tools.snapshot_cost`, docs/operations.md)
+# orchestrator would hold, and receive each interval the fixed-size states and the keys written since (160 MB plus
+# 549 KB a frame; `python -m tools.snapshot_cost`, docs/operations.md)
 DEFAULT_SNAPSHOT_FRAMES = 0
 
 

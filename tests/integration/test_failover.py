@@ -98,6 +98,9 @@ def test_with_snapshots_a_killed_replica_of_each_network_is_restored_and_replays
         # rebuilt from a snapshot, not from the open (10 steps or more): never more than the interval run again
         assert all(run.replayed[name] <= SNAPSHOT_FRAMES for name in NETWORK), run.replayed
         assert all(run.snapshot_bytes[name] > 0 for name in NETWORK), run.snapshot_bytes
+        # after each stream's first snapshot (and the first after its move), the growing states came as deltas;
+        # perception's and the codec's states are of a fixed size: whole each time
+        assert run.deltas["llm"] > 0 and run.deltas["tts"] > 0 and run.deltas["perception"] == run.deltas["codec"] == 0
         assert all(run.history_bytes[name] < uninterrupted_log for name, uninterrupted_log in
                    {"perception": 9 * (4 * 1280 + 17) + 5, "codec": 9 * (4 * 31 + 15) + 2}.items())
     finally:
