@@ -198,7 +198,7 @@ class GroupedCache(abc.ABC):
     def plan_one(self) -> Plan:
         """Where this cache's next single key goes and what it sees then, as its own update would do it."""
 
-    # ---- snapshots: the keys it holds and its counters (a subclass with more counters extends both hooks) ----
+    # ---- snapshots: the keys it holds, its counters (a subclass with more extends both hooks), its last slots ----
 
     def held(self) -> int:
         """How many keys at the front of its buffer hold state: those written, or the whole of a full ring."""
