@@ -41,6 +41,7 @@ import hashlib
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from orchestrator.clients import BidiStream, Channel, ServiceError
@@ -259,14 +260,17 @@ class ReplayStream:
         old.close()
         return self._stream
 
-    def _opening(self) -> list:
-        """The opening message, or with a snapshot: it marked `restore`, then the snapshot's parts."""
+    def _opening(self) -> Iterator:
+        """The opening message, or with a snapshot: it marked `restore`, then the held state's parts (each made as
+        the one before goes, so a large state is never all messages at once)."""
         if self._snapshot is None:
-            return [self._open]
+            yield self._open
+            return
         opening = type(self._open)()
         opening.CopyFrom(self._open)
         opening.open.restore = True
-        return [opening, *(type(self._open)(restore=part) for part in self._snapshot.parts())]
+        yield opening
+        yield from (type(self._open)(restore=part) for part in self._snapshot.parts())
 
     def _discard_answered(self, stream: BidiStream) -> None:
         """Take the answers the caller already has from the new stream: its open's, which must equal the first

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from protos.voicechat.v1 import snapshot_pb2, tensor_pb2
-from services.common.tensors import from_proto, from_proto_np, to_proto_np
+from services.common.tensors import from_proto, from_proto_np, wire_array, wire_view
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -131,80 +131,104 @@ def pack(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0,
          base: int = 0) -> list[snapshot_pb2.SnapshotPart]:
     """`capture`'s values (or `Held` ones) as parts of at most `part_bytes` array bytes each (a larger array spans
     several), each part marked with the snapshot's id and base, the last marked `last`."""
-    parts = [snapshot_pb2.SnapshotPart(id=snapshot_id, base=base)]
-    room = part_bytes
+    return list(packed(held, part_bytes, snapshot_id, base))
 
-    def add(entry: snapshot_pb2.SnapshotEntry, size: int) -> None:
-        nonlocal room
-        if size > room and len(parts[-1].entries):
-            parts.append(snapshot_pb2.SnapshotPart(id=snapshot_id, base=base))
-            room = part_bytes
-        parts[-1].entries.append(entry)
+
+def packed(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0,
+           base: int = 0) -> Iterator[snapshot_pb2.SnapshotPart]:
+    """`pack`'s parts one at a time, each made when the one before is taken (a large state is never all parts at
+    once, and a sender may send each while the next is made)."""
+    part, room = snapshot_pb2.SnapshotPart(id=snapshot_id, base=base), part_bytes
+    for entry, size in _entries(held, part_bytes):
+        if size > room and len(part.entries):
+            yield part
+            part, room = snapshot_pb2.SnapshotPart(id=snapshot_id, base=base), part_bytes
+        part.entries.append(entry)
         room -= size
+    part.last = True
+    yield part
 
-    def add_array(name: str, tensor: tensor_pb2.Tensor, where: snapshot_pb2.SnapshotSlice | None = None) -> None:
-        data = tensor.data
-        for offset in range(0, max(len(data), 1), part_bytes):
-            piece = tensor_pb2.Tensor(shape=tensor.shape, dtype=tensor.dtype, data=data[offset : offset + part_bytes])
-            add(snapshot_pb2.SnapshotEntry(name=name, tensor=piece, offset=offset, slice=where), len(piece.data))
 
+def _entries(held: State, part_bytes: int) -> Iterator[tuple[snapshot_pb2.SnapshotEntry, int]]:
+    """Each value's entries and their array bytes: a text, an array in pieces of `part_bytes` at most, a
+    `Slices`' runs each as its own array with its slice."""
     for name, value in held.items():
         if isinstance(value, str):
-            add(snapshot_pb2.SnapshotEntry(name=name, text=value), len(value))
+            yield snapshot_pb2.SnapshotEntry(name=name, text=value), len(value)
         elif isinstance(value, Slices):
             for start, run in value.runs:
-                add_array(name, _tensor(run), snapshot_pb2.SnapshotSlice(axis=value.axis, start=start,
-                                                                         length=value.length))
+                where = snapshot_pb2.SnapshotSlice(axis=value.axis, start=start, length=value.length)
+                yield from _pieces(name, run, part_bytes, where)
         else:
-            add_array(name, _tensor(value))
-    parts[-1].last = True
-    return parts
+            yield from _pieces(name, value, part_bytes)
 
 
-def _tensor(value) -> tensor_pb2.Tensor:
-    if isinstance(value, tuple):  # an MLX array from `capture` (or a Held numpy one), maybe bfloat16 bits
+def _pieces(name: str, value, part_bytes: int, where: snapshot_pb2.SnapshotSlice | None = None):
+    """An array's entries, its bytes from `offset` on in pieces of `part_bytes` at most (one copy each)."""
+    array, dtype = _wire(value)
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    for offset in range(0, max(flat.size, 1), part_bytes):
+        piece = tensor_pb2.Tensor(shape=array.shape, dtype=dtype, data=flat[offset : offset + part_bytes].tobytes())
+        yield snapshot_pb2.SnapshotEntry(name=name, tensor=piece, offset=offset, slice=where), len(piece.data)
+
+
+def _wire(value) -> tuple[np.ndarray, int]:
+    """A value's array in its wire storage and its wire dtype: an MLX array from `capture` (or a Held numpy
+    one) with whether it is bfloat16 bits, or a numpy array."""
+    if isinstance(value, tuple):
         array, bfloat16 = value
-        return to_proto_np(np.array(array), dtype=tensor_pb2.DTYPE_BFLOAT16 if bfloat16 else None)
-    return to_proto_np(value)
+        array = array if isinstance(array, np.ndarray) else np.array(array)  # MLX: copied out here, off its thread
+        return wire_array(array, tensor_pb2.DTYPE_BFLOAT16 if bfloat16 else None)
+    return wire_array(value)
+
+
+class Raw(NamedTuple):
+    """An array as its entries carried it: shape, wire dtype and bytes (an array's pieces joined)."""
+
+    shape: list[int]
+    dtype: int
+    data: bytes
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view of its bytes (bfloat16 as its bits); ValueError when their size does not fit."""
+        return wire_view(self.shape, self.dtype, self.data)
 
 
 class Value(NamedTuple):
-    """One value of a snapshot's parts, its pieces joined: a name, where it goes (a delta's slice, else None) and
-    the Tensor or text."""
+    """One value of a snapshot's parts: a name, where it goes (a delta's slice, else None) and the array or text."""
 
     name: str
     slice: snapshot_pb2.SnapshotSlice | None
-    value: tensor_pb2.Tensor | str
+    value: Raw | str
 
 
-def joined(parts: list[snapshot_pb2.SnapshotPart]) -> tuple[list[Value], int, int]:
+def joined(parts: Iterable[snapshot_pb2.SnapshotPart]) -> tuple[list[Value], int, int]:
     """The values of one snapshot's parts in order (an array's pieces joined), its id and its base; ValueError
     when the parts do not make one snapshot."""
+    parts = list(parts)
     if not parts or not parts[-1].last or any(part.last for part in parts[:-1]):
         raise ValueError("a snapshot must be sent whole: its parts in order, only the last marked `last`")
     if len({(part.id, part.base) for part in parts}) != 1:
         raise ValueError("a snapshot's parts must all carry its id and base")
-    values: list[Value] = []
+    values: list[tuple[str, snapshot_pb2.SnapshotSlice | None, Any]] = []
     pieces: list[list[bytes]] = []
     for part in parts:
         for entry in part.entries:
             where = entry.slice if entry.HasField("slice") else None
             if entry.WhichOneof("value") == "text":
-                values.append(Value(entry.name, None, entry.text))
+                values.append((entry.name, None, entry.text))
                 pieces.append([])
             elif entry.offset == 0:
-                values.append(Value(entry.name, where, tensor_pb2.Tensor(shape=entry.tensor.shape,
-                                                                         dtype=entry.tensor.dtype)))
+                values.append((entry.name, where, entry.tensor))
                 pieces.append([entry.tensor.data])
-            elif (not values or values[-1].name != entry.name or values[-1].slice != where
+            elif (not values or values[-1][:2] != (entry.name, where)
                   or sum(map(len, pieces[-1])) != entry.offset):
                 raise ValueError(f"snapshot entry {entry.name!r}: its pieces are out of order")
             else:
                 pieces[-1].append(entry.tensor.data)
-    for value, chunks in zip(values, pieces, strict=True):
-        if not isinstance(value.value, str):
-            value.value.data = b"".join(chunks)
-    return values, parts[0].id, parts[0].base
+    return [Value(name, where, value if isinstance(value, str) else
+                  Raw(list(value.shape), value.dtype, chunks[0] if len(chunks) == 1 else b"".join(chunks)))
+            for (name, where, value), chunks in zip(values, pieces, strict=True)], parts[0].id, parts[0].base
 
 
 class Snapshot:
@@ -215,13 +239,15 @@ class Snapshot:
         self._values, self._prefix = values, prefix
 
     @classmethod
-    def from_parts(cls, parts: list[snapshot_pb2.SnapshotPart]) -> Snapshot:
+    def from_parts(cls, parts: Iterable[snapshot_pb2.SnapshotPart]) -> Snapshot:
         """Join the parts' entries (an array's pieces in order); ValueError when they do not make one whole
         snapshot (a restore takes the client's merged state, never a delta)."""
         values, _, base = joined(parts)
         if base or any(value.slice is not None for value in values):
             raise ValueError("a restore takes a whole snapshot, not a delta: send the merged state (its `Held`)")
-        by_name = {value.name: value.value for value in values}
+        by_name = {value.name: value.value if isinstance(value.value, str) else
+                   tensor_pb2.Tensor(shape=value.value.shape, dtype=value.value.dtype, data=value.value.data)
+                   for value in values}
         if len(by_name) != len(values):
             raise ValueError("a snapshot names each value once")
         return cls(by_name)
@@ -265,15 +291,20 @@ class Snapshot:
 
 class _Array:
     """A held array: `view`, the value, is the front of `buffer`, which may have room to grow along one axis (a
-    growing cache's array takes each delta without a copy of the whole array each time)."""
+    growing cache's array takes each delta without a copy of the whole array each time). A whole snapshot's
+    array is a read-only view of the bytes it came in, copied only when a delta first changes it."""
 
     def __init__(self, array: np.ndarray, dtype: int):
         self.buffer = self.view = array
         self.dtype = dtype  # the wire dtype (bfloat16 held as its uint16 bits)
 
     @classmethod
-    def of(cls, tensor: tensor_pb2.Tensor) -> _Array:
-        return cls(from_proto_np(tensor, bfloat16="bits"), tensor.dtype)
+    def of(cls, raw: Raw) -> _Array:
+        return cls(raw.numpy(), raw.dtype)
+
+    def _writable(self) -> None:
+        if not self.view.flags.writeable:  # a whole snapshot's (then view is buffer)
+            self.buffer = self.view = self.view.copy()
 
     def resize(self, axis: int, length: int) -> None:
         """Make the size along `axis` `length`: cut, or extended with zeros (into the buffer's room, or a buffer
@@ -281,6 +312,7 @@ class _Array:
         old = self.view.shape[axis]
         if length == old:
             return
+        self._writable()
         shape = list(self.view.shape)
         shape[axis] = length
         room = list(self.buffer.shape)
@@ -295,6 +327,7 @@ class _Array:
             self.view[_along(axis, old, length)] = 0
 
     def write(self, axis: int, start: int, array: np.ndarray) -> None:
+        self._writable()
         self.view[_along(axis, start, start + array.shape[axis])] = array
 
 
@@ -322,7 +355,7 @@ class Held:
     def nbytes(self) -> int:
         return sum(len(v) if isinstance(v, str) else v.view.nbytes for v in self._values.values())
 
-    def apply(self, parts: list[snapshot_pb2.SnapshotPart]) -> bool:
+    def apply(self, parts: Iterable[snapshot_pb2.SnapshotPart]) -> bool:
         """Take a snapshot's parts: a whole snapshot replaces the held state, a delta against it changes it; a
         delta against another snapshot is refused (False), and the next request should ask for a whole one."""
         values, snapshot_id, base = joined(parts)
@@ -349,15 +382,15 @@ class Held:
         axis, length = got[0].slice.axis, got[0].slice.length
         runs = []
         for value in got:
-            where, tensor = value.slice, value.value
-            shape = list(tensor.shape)
-            if (where is None or (where.axis, where.length) != (axis, length) or tensor.dtype != held.dtype
+            where, raw = value.slice, value.value
+            shape = list(raw.shape)
+            if (where is None or (where.axis, where.length) != (axis, length) or raw.dtype != held.dtype
                     or not 0 <= axis < held.view.ndim or len(shape) != held.view.ndim
                     or shape[:axis] + shape[axis + 1 :] != list(held.view.shape[:axis] + held.view.shape[axis + 1 :])
                     or where.start < 0 or where.start + shape[axis] > length):
                 raise ValueError(f"snapshot value {name!r}: a slice that does not fit the held array "
                                  f"{list(held.view.shape)} ({held.view.dtype})")
-            runs.append((where.start, from_proto_np(tensor, bfloat16="bits")))
+            runs.append((where.start, raw.numpy()))
         return axis, length, runs
 
     def _changed(self, name: str, change) -> _Array | str:
@@ -370,10 +403,10 @@ class Held:
             held.write(axis, start, array)
         return held
 
-    def parts(self, part_bytes: int = PART_BYTES) -> list[snapshot_pb2.SnapshotPart]:
-        """The held state as the parts of one whole snapshot."""
-        return pack({name: v if isinstance(v, str) else (v.view, v.dtype == tensor_pb2.DTYPE_BFLOAT16)
-                     for name, v in self._values.items()}, part_bytes)
+    def parts(self, part_bytes: int = PART_BYTES) -> Iterator[snapshot_pb2.SnapshotPart]:
+        """The held state as the parts of one whole snapshot, each made as the one before is taken."""
+        return packed({name: v if isinstance(v, str) else (v.view, v.dtype == tensor_pb2.DTYPE_BFLOAT16)
+                       for name, v in self._values.items()}, part_bytes)
 
 
 def prefixed(prefix: str, state: State) -> State:

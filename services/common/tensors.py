@@ -86,6 +86,13 @@ def to_proto_np(array: np.ndarray, dtype: int | None = None) -> Tensor:
     `dtype=DTYPE_BFLOAT16` sends a uint16 array as bfloat16 bit patterns, or a float32 array whose values are
     exactly bfloat16 (ValueError otherwise: the wire never rounds).
     """
+    array, dtype = wire_array(array, dtype)
+    return Tensor(shape=array.shape, dtype=dtype, data=array.tobytes())  # tobytes: C order, one copy
+
+
+def wire_array(array: np.ndarray, dtype: int | None = None) -> tuple[np.ndarray, int]:
+    """What `to_proto_np` sends: the array in its wire dtype's storage dtype (no copy when it is already), and
+    that wire dtype."""
     array = np.asarray(array)
     own = _wire_dtype(array) if dtype != tensor_pb2.DTYPE_BFLOAT16 else None
     if dtype is None:
@@ -97,7 +104,7 @@ def to_proto_np(array: np.ndarray, dtype: int | None = None) -> Tensor:
     storage = _STORAGE[dtype]
     if array.dtype != storage:  # same kind and size: only byte order may change
         array = array.astype(storage)
-    return Tensor(shape=array.shape, dtype=dtype, data=array.tobytes())  # tobytes: C order, one copy
+    return array, dtype
 
 
 def _bf16_bits(array: np.ndarray) -> np.ndarray:
@@ -138,18 +145,24 @@ def _payload(tensor: Tensor) -> np.ndarray:
 
 def _view(tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(storage dtype, validated payload shaped as the tensor): a read-only view of the message's bytes."""
-    storage = _storage(tensor.dtype)
-    shape = tuple(tensor.shape)
+    return _storage(tensor.dtype), wire_view(tensor.shape, tensor.dtype, tensor.data)
+
+
+def wire_view(shape, dtype: int, data: bytes) -> np.ndarray:
+    """A payload of `dtype` and `shape` as a read-only view of `data` in the storage dtype (bfloat16 as bits, no
+    copy); ValueError when its size does not match."""
+    storage = _storage(dtype)
+    shape = tuple(shape)
     if shape and min(shape) < 0:
         raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * storage.itemsize
-    actual = len(tensor.data)
+    actual = len(data)
     if actual != expected:
         raise ValueError(
-            f"tensor payload is {actual} bytes but shape {list(shape)} of {dtype_name(tensor.dtype)} "
+            f"tensor payload is {actual} bytes but shape {list(shape)} of {dtype_name(dtype)} "
             f"needs {expected} bytes"
         )
-    return storage, np.frombuffer(tensor.data, dtype=storage).reshape(shape)
+    return np.frombuffer(data, dtype=storage).reshape(shape)
 
 
 def to_proto(array: mx.array | np.ndarray) -> Tensor:
