@@ -471,3 +471,26 @@ def test_a_language_session_restored_from_merged_deltas_goes_on_exactly_and_each
     mamba = sizes[1][1]
     assert sizes[1:8] == [(EVERY * per_position * 2, mamba)] * 7 and sizes[8][0] == 0 and sizes[8][1] > mamba
     assert sizes[9:] == [(EVERY * per_position * 4, mamba)] * 2
+
+
+def test_a_stream_answers_a_delta_only_against_the_last_snapshot_it_gave():
+    cache, marks = FullCache(), Marks()
+    for t in range(3):
+        cache.update(mx.full((1, 1, 1, 2), float(t)), mx.full((1, 1, 1, 2), float(t)))
+    first = take_snapshot(cache, SnapshotAsk(0, marks))
+    assert first.base == 0 and first.id == marks.id != 0 and not isinstance(first.held["keys"], Slices)
+    cache.update(mx.full((1, 1, 1, 2), 3.0), mx.full((1, 1, 1, 2), 3.0))
+    assert take_snapshot(cache, SnapshotAsk(first.id + 1, marks)).base == 0  # another base: whole
+    second = take_snapshot(cache, SnapshotAsk(marks.id, marks))
+    # nothing written since the whole one before it: the keys as one empty run at their end
+    assert second.base != 0 and second.held["keys"].length == 4 and second.held["keys"].runs[0][0] == 4
+    assert [tuple(pin[0].shape) for _, pin in second.held["keys"].runs] == [(1, 1, 0, 2)]
+
+    class Failing:  # a session whose snapshot fails midway, after its cache gave its mark
+        def snapshot(self, since):
+            cache.snapshot(since)
+            raise ValueError("closed")
+
+    with pytest.raises(ValueError, match="closed"):
+        take_snapshot(Failing(), SnapshotAsk(second.id, marks))
+    assert take_snapshot(cache, SnapshotAsk(second.id, marks)).base == 0  # no base after a failed one
