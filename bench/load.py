@@ -48,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -336,6 +337,7 @@ def orchestrator(model: Path, sessions: int, extra: list[str] | None = None,
         if ready is None or not url or not url[0].startswith("ws://"):
             process.kill()
             raise RuntimeError(f"orchestrator serve did not start: {process.stderr.read().strip()[-2000:]}")
+        follow(process, sys.stderr)
         yield f"127.0.0.1:{ready[1]}", url[0]
     finally:
         if process.poll() is None:
@@ -345,6 +347,21 @@ def orchestrator(model: Path, sessions: int, extra: list[str] | None = None,
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def follow(process: subprocess.Popen, log) -> None:
+    """Read a child's stdout and stderr pipes to their end from now on, its stderr's lines written on to `log`: a
+    pipe nobody reads fills (64 KiB of logs in a long or failing run), and the child's next write to it blocks."""
+    for pipe, to in ((process.stdout, None), (process.stderr, log)):
+        threading.Thread(target=_forward, args=(pipe, to), name="child-output", daemon=True).start()
+
+
+def _forward(pipe, to) -> None:
+    """Read `pipe` to its end, writing each line to `to` (None: dropped)."""
+    for line in pipe:
+        if to is not None:
+            to.write(line)
+            to.flush()
 
 
 SERVICES = ("perception", "llm", "tts", "codec")

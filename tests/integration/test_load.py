@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import pytest
 
@@ -238,3 +239,21 @@ def test_the_orchestrators_cpu_is_reported_per_frame_delivered():
     assert LoadReport(outcomes, wall_s=1.0).orchestrator_cpu() is None  # a running orchestrator's: not ours to read
     sum(i * i for i in range(300_000))  # some CPU of this process, read back from /proc
     assert cpu_seconds(os.getpid()) == pytest.approx(sum(os.times()[:2]), abs=0.03)
+
+
+def test_a_childs_pipes_are_read_to_the_end_so_its_log_never_blocks_it():
+    import io
+    import subprocess
+    import sys
+
+    from bench.load import follow
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('x' * 1_000_000); print('ok')"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = io.StringIO()
+    follow(child, log)
+    assert child.wait(30) == 0  # unread, the pipe would fill at 64 KiB and the child would wait for ever
+    deadline = time.monotonic() + 10
+    while len(log.getvalue()) < 1_000_000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert log.getvalue() == "x" * 1_000_000
