@@ -44,3 +44,19 @@ def call_script(tokenizer, text: str, first_frame: int) -> dict[int, int]:
     ids = [tokenizer.token_to_id("<SPECIAL_20>"), *tokenizer.encode(text, add_special_tokens=False).ids,
            tokenizer.token_to_id("<SPECIAL_21>")]
     return {first_frame + i: token for i, token in enumerate(ids)}
+
+
+class NoPrefixSpeech:
+    """A speech client whose sessions open without the system prompt's pad steps, for tests of the language and
+    tool path that read no audio. The pad steps only shift speech's random stream, and a prompt that lists tools
+    is some 470 positions: seconds of sequential speech steps on the CPU for every session opened."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.channel = getattr(inner, "channel", None)
+
+    def info(self):
+        return self.inner.info()
+
+    def open(self, seed: int, prompt_codes, prefix_steps: int):
+        return self.inner.open(seed, prompt_codes, 0)

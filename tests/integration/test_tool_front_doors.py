@@ -25,7 +25,7 @@ from services.common.server import start_server
 from services.common.tensors import to_proto_np
 from services.llm.service import build_spec as llm_spec
 from tests.realtime.fakes import Client, pcm16_b64
-from tests.scripted_head import ScriptedLanguage, call_script
+from tests.scripted_head import NoPrefixSpeech, ScriptedLanguage, call_script
 
 N = 1280
 HOST = "127.0.0.1"
@@ -66,6 +66,7 @@ class Stack:
         self.clients = self.engines.clients()
         self.grpc_language = GrpcLanguage(f"{HOST}:{llm.port}", prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16)
         self.clients.language = ScriptedLanguage(self.grpc_language, script)
+        self.clients.speech = NoPrefixSpeech(self.clients.speech)  # the tests read no audio
         self.conversation = ConversationServicer(self.clients, model, max_sessions=2, pipelined=False)
         running = await start_server(registrations(self.conversation), [SERVICE_NAME], host=HOST, port=0)
         await running.become_ready(None)

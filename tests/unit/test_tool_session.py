@@ -16,7 +16,7 @@ from orchestrator.text import TextDecoder
 from orchestrator.tool_runner import ToolRunner
 from orchestrator.tools import Tool, render_system_prompt
 from services.common.config import VoiceChatConfig
-from tests.scripted_head import ScriptedLanguage, call_script
+from tests.scripted_head import NoPrefixSpeech, ScriptedLanguage, call_script
 
 N = 1280
 WEATHER = Tool("get_weather", "The current weather in a city.",
@@ -50,6 +50,7 @@ def open_session(engines, checkpoint, script, prompts=None, pipelined=False, **k
         opened = scripted.open
         scripted.open = lambda prompt: (prompts.append(prompt), opened(prompt))[1]
     clients.language = scripted
+    clients.speech = NoPrefixSpeech(clients.speech)  # these tests read no audio
     return OnlineSession(clients, config, decoder, system_prompt="Be brief.", pipelined=pipelined, **kwargs)
 
 
