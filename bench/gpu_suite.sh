@@ -50,6 +50,8 @@
 # REPLICAS (none): the live step's services started as several processes, e.g. "perception=2 tts=2"
 # (`--replicas`, up to 9 each here); each replica keeps its own step log (steps-NAME-R.jsonl) and metrics
 # port (91R<n>), and compiles at load the batch sizes up to its share of the SESSIONS.
+# ORCHESTRATORS (1): with K > 1 the live step's conversations are dealt over K orchestrator processes sharing one
+# set of services (bench.load --orchestrators K, which starts them all with the same flags).
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -205,6 +207,22 @@ scrape() {  # scrape NAME: each service's batch-size histogram totals and memory
   done > "$out/$1.metrics" 2>&1
   grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
 }
+if [ "${ORCHESTRATORS:-1}" -gt 1 ]; then  # bench.load starts the services and the K orchestrators itself
+  for pace in ${PACES:-live}; do
+    for k in ${COUNTS:-$sessions 1}; do
+      # shellcheck disable=SC2086  # $memory is a list of flags
+      step "$pace-$k" "$py" -m bench.load --model "$model" --orchestrators "$ORCHESTRATORS" --grpc "$k" --ws 0 \
+        --seconds "$seconds" --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" \
+        --timeline "$out/$pace-$k.timeline.json" --serve-flags "$serve_flags $mps" \
+        ${memory:+--memory $memory}
+      # shellcheck disable=SC2086  # a list of flags
+      "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \
+        | tee "$out/$pace-$k.steps.txt"
+    done
+  done
+  echo "== $(date +%T) done: logs in $out"
+  exit 0
+fi
 echo "== $(date +%T) serve: --max-sessions $sessions $serve_flags $mps"
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 "$py" -m orchestrator.cli serve --model "$model" --port "$port" --no-realtime --max-sessions "$sessions" \

@@ -3,13 +3,15 @@
     python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
                          [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH]
                          [--latency-budget-ms MS] [--memory] [--service-metrics NAME=URL ...]
-                         [--serve-flags FLAGS] [--repeat N] [--json]
+                         [--serve-flags FLAGS] [--orchestrators K] [--repeat N] [--json]
 
 Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
-stopped after. Each conversation sends S seconds of speech (the input looped, each conversation from its own
-offset and with its own seed) as 80 ms PCM16 chunks, through the gRPC Converse stream or the /v1/realtime
-WebSocket, paced like a live microphone (`live`, the default) or as fast as the server takes it (`burst`), then
-flushes. No conversation sends past --duration seconds after its start (a bounded run).
+stopped after; with --orchestrators K, the four services are started once and K `orchestrator serve --services`
+processes over them, the conversations dealt over the K in turn (one Python process's share of the frames
+each). Each conversation sends S seconds of speech (the input looped, each conversation from its own offset and
+with its own seed) as 80 ms PCM16 chunks, through the gRPC Converse stream or the /v1/realtime WebSocket, paced
+like a live microphone (`live`, the default) or as fast as the server takes it (`burst`), then flushes. No
+conversation sends past --duration seconds after its start (a bounded run).
 
 Reported per transport: conversations, frames delivered, frames per second over the run, the interval (inter-frame
 gap) between a conversation's consecutive audio frames (p50/p95), errors, lost frames (frames sent but never
@@ -309,15 +311,54 @@ class LoadReport:
         return table
 
 
-async def run_load(*, grpc_address: str | None, realtime_url: str | None, grpc_conversations: list[Conversation],
-                   ws_conversations: list[Conversation], pace: str = "live",
+async def run_load(*, grpc_address: str | list[str] | None, realtime_url: str | list[str] | None,
+                   grpc_conversations: list[Conversation], ws_conversations: list[Conversation], pace: str = "live",
                    duration_s: float = math.inf) -> LoadReport:
-    """Every conversation at once; their outcomes in order (gRPC ones first)."""
+    """Every conversation at once; their outcomes in order (gRPC ones first). Given several addresses (URLs), the
+    conversations are dealt over them in turn (orchestrators sharing one set of services)."""
+    addresses, urls = _listed(grpc_address), _listed(realtime_url)
     start = time.monotonic()
-    tasks = [grpc_conversation(grpc_address, c, pace=pace, duration_s=duration_s) for c in grpc_conversations]
-    tasks += [realtime_conversation(realtime_url, c, pace=pace, duration_s=duration_s) for c in ws_conversations]
+    tasks = [grpc_conversation(addresses[i % len(addresses)], c, pace=pace, duration_s=duration_s)
+             for i, c in enumerate(grpc_conversations)]
+    tasks += [realtime_conversation(urls[i % len(urls)], c, pace=pace, duration_s=duration_s)
+              for i, c in enumerate(ws_conversations)]
     outcomes = await asyncio.gather(*tasks)
     return LoadReport(list(outcomes), time.monotonic() - start, start=start)
+
+
+def processes_cpu(pids: list[int]) -> float | None:
+    """The CPU seconds the processes used so far, together; None without any, or where /proc cannot say."""
+    try:
+        return sum(cpu_seconds(pid) for pid in pids) if pids else None
+    except OSError:
+        return None
+
+
+def _listed(value: str | list[str] | None) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+@contextlib.contextmanager
+def orchestrators(model: Path, count: int, sessions: int, serve_flags: list[str],
+                  started: list[subprocess.Popen]) -> Iterator[tuple[list[str], list[str]]]:
+    """`count` orchestrators over one set of services started here, for the block: their gRPC addresses and
+    realtime URLs. The services take serve_flags' --service-flags, --service-env, --mps, --replicas and --gpus,
+    and batches of all `sessions` (as `serve` gives its own); every orchestrator the rest of the flags, and its
+    share of the sessions."""
+    from orchestrator.connect import add_connection_flags, batch_flags, connection_from_args, serving
+
+    parser = argparse.ArgumentParser(prog="--serve-flags", add_help=False)
+    add_connection_flags(parser)
+    launch, rest = parser.parse_known_args(serve_flags)
+    connection = connection_from_args(launch)
+    rest += ["--open-timeout", str(launch.open_timeout), "--frame-timeout", str(launch.frame_timeout)]
+    flags = batch_flags(connection["flags"], sessions, connection["replicas"])
+    with serving(model, None, flags, connection["mps"], connection["envs"], connection["replicas"],
+                 connection["gpus"]) as targets, contextlib.ExitStack() as stack:
+        services = ["--services", ",".join(f"{name}={target}" for name, target in targets.items())]
+        share = -(-sessions // count)
+        ends = [stack.enter_context(orchestrator(model, share, [*rest, *services], started)) for _ in range(count)]
+        yield [address for address, _ in ends], [url for _, url in ends]
 
 
 @contextlib.contextmanager
@@ -387,10 +428,11 @@ def parse_service_metrics(text: str) -> tuple[str, str]:
     return name, url
 
 
-def metrics_flags() -> tuple[list[str], dict[str, str]]:
-    """`orchestrator serve` flags giving each service a metrics port (free now), and their /metrics URLs."""
+def metrics_flags(names=SERVICES) -> tuple[list[str], dict[str, str]]:
+    """`orchestrator serve` flags giving each of the services `names` a metrics port (free now), and their /metrics
+    URLs."""
     flags, urls = [], {}
-    for name in SERVICES:
+    for name in names:
         with socket.socket() as probe:  # a port free now; the service binds it a moment later
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -450,12 +492,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running service's /metrics URL, for --memory against --address (repeatable)")
     parser.add_argument("--serve-flags", default="", metavar="FLAGS",
                         help="more flags for the orchestrator this starts (one string, split as a shell does)")
+    parser.add_argument("--orchestrators", type=int, default=1, metavar="K",
+                        help="start K orchestrators over one set of services and deal the conversations over them "
+                             "(default 1: one `orchestrator serve` with its own services)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the load N times on one server, each reported (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.orchestrators < 1:
+        parser.error("--repeat and --orchestrators must be at least 1")
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
         parser.error("--grpc and --ws must be >= 0 and not both 0")
     if not args.seconds > 0 or not args.duration > 0:
@@ -468,29 +513,35 @@ def main(argv: list[str] | None = None) -> int:
     speech = read_audio(args.input)
     talks = conversations(speech, args.grpc + args.ws, args.seconds)
 
-    def run(address: str | None, url: str | None, pid: int | None) -> LoadReport:
-        before = cpu_seconds(pid) if pid else None
+    def run(address, url, pids: list[int]) -> LoadReport:
+        before = processes_cpu(pids)
         report = asyncio.run(run_load(grpc_address=address, realtime_url=url, grpc_conversations=talks[: args.grpc],
                                       ws_conversations=talks[args.grpc :], pace=args.pace, duration_s=args.duration))
-        if before is not None:
-            report.orchestrator_cpu_s = cpu_seconds(pid) - before
+        if before is not None and (after := processes_cpu(pids)) is not None:
+            report.orchestrator_cpu_s = after - before
         return report
 
     metrics = dict(args.service_metrics or [])
     extra = shlex.split(args.serve_flags)
-    if args.memory and start_one:
-        flags, started = metrics_flags()
+    if args.memory and start_one:  # the services named in --service-metrics bring their own metrics port
+        flags, started = metrics_flags([name for name in SERVICES if name not in metrics])
         extra += flags
         metrics = {**started, **metrics}
     if args.memory and not metrics:
         parser.error("--memory against a running orchestrator needs its services' --service-metrics NAME=URL")
     started: list[subprocess.Popen] = []
-    with (orchestrator(args.model, max(args.grpc, args.ws), extra, started) if start_one
-          else contextlib.nullcontext((None, None))) as (address, url):
+    sessions = max(args.grpc, args.ws)
+    if not start_one:
+        serving = contextlib.nullcontext((None, None))
+    elif args.orchestrators == 1:
+        serving = orchestrator(args.model, sessions, extra, started)
+    else:
+        serving = orchestrators(args.model, args.orchestrators, sessions, extra, started)
+    with serving as (address, url):
         ok = True
         for _ in range(args.repeat):
             before = service_memory(metrics) if args.memory else {}
-            report = run(args.address or address, args.realtime or url, started[0].pid if started else None)
+            report = run(args.address or address, args.realtime or url, [process.pid for process in started])
             memory = service_memory(metrics) if args.memory else {}
             ok = show(report, args, before, memory) and ok
     return 0 if ok else 1

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
 from bench.load import conversations, orchestrator, print_table, run_load
@@ -257,3 +258,37 @@ def test_a_childs_pipes_are_read_to_the_end_so_its_log_never_blocks_it():
     while len(log.getvalue()) < 1_000_000 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert log.getvalue() == "x" * 1_000_000
+
+
+def test_conversations_are_dealt_over_several_orchestrators_in_turn(monkeypatch):
+    from bench import load
+    from bench.load import Conversation, Outcome
+
+    seen = []
+
+    async def conversation(address, talk, **_):
+        seen.append((address, talk.seed))
+        return Outcome("grpc")
+
+    monkeypatch.setattr(load, "grpc_conversation", conversation)
+    monkeypatch.setattr(load, "realtime_conversation", conversation)
+    talks = [Conversation(np.zeros(1280, np.float32), seed) for seed in range(5)]
+    asyncio.run(load.run_load(grpc_address=["a", "b"], realtime_url="ws://c", grpc_conversations=talks[:3],
+                              ws_conversations=talks[3:]))
+    assert seen == [("a", 0), ("b", 1), ("a", 2), ("ws://c", 3), ("ws://c", 4)]
+
+
+def test_two_orchestrators_over_one_set_of_services_each_serve_the_same_conversation(tiny_checkpoint, speech):
+    from bench.load import orchestrators
+
+    [talk] = conversations(speech, 1, 2.0)
+    started = []
+    with orchestrators(tiny_checkpoint, 2, 2, ["--frame-timeout", "30"], started) as (addresses, urls):
+        assert len(set(addresses)) == len(set(urls)) == 2 and len(started) == 2
+        outcomes = [asyncio.run(run_load(grpc_address=address, realtime_url=None, grpc_conversations=[talk],
+                                         ws_conversations=[], pace="burst")).outcomes[0] for address in addresses]
+        # each orchestrator's command names the same services (started once, here)
+        services = [process.args[process.args.index("--services") + 1] for process in started]
+    assert services[0] == services[1]
+    assert all(o.done and not o.errors and o.frames == 25 for o in outcomes)
+    assert outcomes[0].signature() == outcomes[1].signature()
