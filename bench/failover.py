@@ -126,6 +126,7 @@ class Conversation:
     replayed: dict[str, int] = field(default_factory=dict)  # steps each network's last failover ran again
     snapshot_bytes: dict[str, int] = field(default_factory=dict)  # each network's latest snapshot at the end
     deltas: dict[str, int] = field(default_factory=dict)  # snapshots each network's stream took as deltas
+    received_bytes: dict[str, int] = field(default_factory=dict)  # each network's last snapshot as received
 
     def pauses(self) -> list[float]:
         """Seconds from each fault to the next audio event."""
@@ -162,6 +163,7 @@ def converse(replicas: Replicas, wave: np.ndarray, faults: dict | None = None, *
         out.moves = {name: s.stream.failovers for name, s in streams.items()}
         out.replayed = {name: getattr(s.stream, "replayed", 0) for name, s in streams.items()}
         out.deltas = {name: getattr(s.stream, "deltas", 0) for name, s in streams.items()}
+        out.received_bytes = {name: getattr(s.stream, "received_bytes", 0) for name, s in streams.items()}
     finally:
         session.close()
     return out
@@ -184,7 +186,8 @@ class Row:
     bytes_per_frame: float
     identical: bool
     replayed: int = 0  # steps the failover ran again (since the snapshot it restored, or since the open)
-    snapshot_bytes: int = 0  # the network's latest snapshot in the undisturbed run
+    snapshot_bytes: int = 0  # the network's latest snapshot in the undisturbed run (the state held)
+    received_bytes: int = 0  # the last snapshot as it came in that run (a delta after the first: an interval's cost)
 
 
 def looped(path: Path, frames: int) -> np.ndarray:
@@ -221,7 +224,7 @@ def measure(replicas: Replicas, networks: list[str], age_s: float, spacing_s: fl
         history = calm.history_bytes[network]
         rows.append(Row(network, frames * FRAME_S, frames, pause, float(np.median(gaps)) if len(gaps) else 0.0,
                         history, history / max(len(calm.arrivals), 1), same and faulted.moves[network] == 1,
-                        faulted.replayed[network], calm.snapshot_bytes[network]))
+                        faulted.replayed[network], calm.snapshot_bytes[network], calm.received_bytes[network]))
     return rows
 
 
@@ -266,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{r.network:>10} age {r.age_s:6.1f} s ({r.frames} frames): pause {r.pause_s:7.3f} s  "
                           f"frame {r.frame_s * 1000:6.1f} ms  log {r.history_bytes / 1e6:7.2f} MB "
                           f"({r.bytes_per_frame:.0f} B/frame)  replayed {r.replayed}  snapshot "
-                          f"{r.snapshot_bytes / 1e6:.2f} MB  identical {r.identical}", flush=True)
+                          f"{r.snapshot_bytes / 1e6:.2f} MB (last received {r.received_bytes / 1e6:.2f} MB)  "
+                          f"identical {r.identical}", flush=True)
     finally:
         replicas.close()
     if args.json:

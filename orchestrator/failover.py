@@ -168,7 +168,7 @@ class ReplayStream:
             while True:
                 try:
                     if self._asked and self._asked[0] == self._taken:  # a snapshot's parts come first
-                        self._keep_snapshot(self._asked.popleft())
+                        self._keep_snapshot(self._asked[0])
                         continue
                     reply = self._stream.receive()
                 except ServiceError as exc:
@@ -202,6 +202,8 @@ class ReplayStream:
                         self.channel.name, exc)
             taken = False
         with self._send_lock:
+            # asked until now: a sender meanwhile must not ask the next one against the base this one replaces
+            self._asked.popleft()
             if not taken:
                 self._builds_on = 0
                 return

@@ -154,6 +154,10 @@ def test_bench_reports_the_pause_and_checks_the_events(tiny_checkpoint, capsys):
     for row in rows:
         assert row["identical"] and 0 < row["pause_s"] < 5
         assert row["replayed"] <= 5 and row["snapshot_bytes"] > 0  # a snapshot every 5 frames, the last restored
+        assert row["received_bytes"] > 0
+    # the last speech snapshot came as a delta: the keys of 5 frames, not the state held (the language model's
+    # tiny state is almost all fixed-size Mamba state, sent whole each time)
+    assert rows[0]["received_bytes"] < rows[0]["snapshot_bytes"]
 
 
 def test_the_faults_of_one_run_come_spacing_apart():

@@ -325,3 +325,31 @@ def test_a_delta_against_another_base_is_dropped_and_the_next_asked_whole(replic
     # whole, then a delta against base 999 (refused: the log since the first kept), then whole again
     assert replica.bases == [0, 1001, 0] and (stream.snapshots, stream.deltas) == (2, 0)
 
+
+
+def test_no_snapshot_is_asked_while_the_last_one_is_still_being_taken(replicas):
+    """A stage sends its next steps while the taker is still reading the last snapshot's parts: no snapshot may be
+    asked then, against the base the one coming in is about to replace (it would come back whole)."""
+
+    class Busy(Growing):
+        meanwhile = None  # run once, in the middle of the first snapshot's parts
+
+        def receive(self):
+            reply = super().receive()
+            if reply.WhichOneof("payload") == "snapshot" and self.meanwhile is not None:
+                run, self.meanwhile = self.meanwhile, None
+                run()
+            return reply
+
+    replica = Busy()
+    replicas.append(replica)
+    stream = ReplayStream(Channel(), "Stream", FailoverPolicy(snapshot_frames=3))
+    assert stream.call(opening()).WhichOneof("payload") == "opened"
+    # the third step is followed by the first snapshot request, so the fourth's answer comes after its parts
+    sent = [stream.send(request(i)) for i in (1, 2, 3, 4)]
+    replica.meanwhile = lambda: sent.extend(stream.send(request(i)) for i in (5, 6, 7))
+    taken = [p.result().step.frame_index for p in sent[:4]]  # the fourth's taker reads the parts: 5-7 go out
+    taken += [p.result().step.frame_index for p in sent[4:]]
+    taken += [stream.send(request(i)).result().step.frame_index for i in (8, 9, 10)]
+    assert len(sent) == 7 and taken == uninterrupted(10)
+    assert replica.bases == [0, 1001] and (stream.snapshots, stream.deltas) == (2, 1)
