@@ -169,11 +169,38 @@ class LoopCall:
                 self._replies.put(reply)
             self._replies.put(self.EOF)
         except grpc.RpcError as exc:
-            self._replies.put(exc)
+            self._replies.put(_as_reported(exc))
         except asyncio.CancelledError:
             self._replies.put(_Cancelled())
         finally:
             self._tasks[0].cancel()  # the writer: nothing more can be sent
+
+
+# What grpc.aio reports when a write fails because the stream already ended (the server went away, or ended the
+# call): it overwrites the call's real status with this one (grpc/grpc#36066). It says nothing about the service.
+CORE_WRITE_FAILURE = "Internal error from Core"
+
+
+def _as_reported(exc: grpc.RpcError) -> grpc.RpcError:
+    """The call's error as a service failure: grpc.aio's INTERNAL for a write into a stream that had ended becomes
+    UNAVAILABLE (the stream broke), as the synchronous streams report it; any other error is itself. Without this
+    a replica killed while a request was being written looked like a service's own INTERNAL error, which no other
+    replica can recover from, and its sessions ended instead of moving."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else None
+    if code == grpc.StatusCode.INTERNAL and details == CORE_WRITE_FAILURE:
+        return _Broken()
+    return exc
+
+
+class _Broken(grpc.RpcError):
+    """A stream that broke under a write (see `_as_reported`)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"the stream broke during a write (gRPC: {CORE_WRITE_FAILURE})"
 
 
 class _Cancelled(grpc.RpcError):

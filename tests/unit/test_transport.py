@@ -163,3 +163,27 @@ def test_the_environment_picks_the_transport_and_a_wrong_one_is_refused(monkeypa
     monkeypatch.setenv(TRANSPORT_ENV, "green")
     with pytest.raises(ValueError, match="VOICECHAT_TRANSPORT 'green': must be one of aio, threads"):
         pick_transport()
+
+
+def test_grpc_aios_internal_error_for_a_write_into_an_ended_stream_counts_as_the_stream_breaking():
+    from orchestrator import transport
+    from orchestrator.clients import _fail
+    from orchestrator.failover import recoverable
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    # a replica killed while a request was being written: grpc.aio reports INTERNAL from its own core
+    broken = transport._as_reported(Failed(grpc.StatusCode.INTERNAL, transport.CORE_WRITE_FAILURE))
+    assert broken.code() == grpc.StatusCode.UNAVAILABLE
+    assert recoverable(_fail("perception", "ipv4:a,b", broken))  # the session moves to another replica
+    # a service's own INTERNAL error (its handler failed) stays what it is: no replica would answer otherwise
+    own = Failed(grpc.StatusCode.INTERNAL, "RuntimeError: the engine failed")
+    assert transport._as_reported(own) is own and not recoverable(_fail("perception", "ipv4:a,b", own))
