@@ -207,19 +207,21 @@ scrape() {  # scrape NAME: each service's batch-size histogram totals and memory
   done > "$out/$1.metrics" 2>&1
   grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
 }
-if [ "${ORCHESTRATORS:-1}" -gt 1 ]; then  # bench.load starts the services and the K orchestrators itself
+live_runs() {  # live_runs FLAGS...: each pace and count through bench.load with these connection flags
   for pace in ${PACES:-live}; do
     for k in ${COUNTS:-$sessions 1}; do
       # shellcheck disable=SC2086  # $memory is a list of flags
-      step "$pace-$k" "$py" -m bench.load --model "$model" --orchestrators "$ORCHESTRATORS" --grpc "$k" --ws 0 \
-        --seconds "$seconds" --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" \
-        --timeline "$out/$pace-$k.timeline.json" --serve-flags "$serve_flags $mps" \
-        ${memory:+--memory $memory}
+      step "$pace-$k" "$py" -m bench.load "$@" --grpc "$k" --ws 0 --seconds "$seconds" --pace "$pace" \
+        --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" ${memory:+--memory $memory}
+      [ -n "${serve:-}" ] && scrape "$pace-$k"  # the services outlive the run only under our `serve`
       # shellcheck disable=SC2086  # a list of flags
       "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \
         | tee "$out/$pace-$k.steps.txt"
     done
   done
+}
+if [ "${ORCHESTRATORS:-1}" -gt 1 ]; then  # bench.load starts the services and the K orchestrators itself
+  live_runs --model "$model" --orchestrators "$ORCHESTRATORS" --serve-flags "$serve_flags $mps"
   echo "== $(date +%T) done: logs in $out"
   exit 0
 fi
@@ -235,18 +237,7 @@ for _ in $(seq 1 450); do
   sleep 2
 done
 if [ $ready -eq 1 ]; then
-  for pace in ${PACES:-live}; do
-    for k in ${COUNTS:-$sessions 1}; do
-      # shellcheck disable=SC2086  # $memory is a list of flags
-      step "$pace-$k" "$py" -m bench.load --address "127.0.0.1:$port" --grpc "$k" --ws 0 --seconds "$seconds" \
-        --pace "$pace" --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" \
-        ${memory:+--memory $memory}
-      scrape "$pace-$k"
-      # shellcheck disable=SC2086  # a list of flags
-      "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \
-        | tee "$out/$pace-$k.steps.txt"
-    done
-  done
+  live_runs --address "127.0.0.1:$port"
 else
   echo "== orchestrator serve did not become ready:"
   tail -n 20 "$out/serve.log"
