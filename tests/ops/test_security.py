@@ -144,11 +144,13 @@ def test_serve_guards_both_front_doors_with_one_key_over_tls(tiny_checkpoint, ce
         assert converse((("authorization", f"bearer {KEY}"),)) == ("ready",)
         assert converse((("authorization", f"Bearer {KEY}"),), secure=False) == grpc.StatusCode.UNAVAILABLE
 
+        # A 2-core CI machine running the suite has taken over websockets' default 10 s to answer an upgrade here.
         context = ssl.create_default_context(cafile=str(cert))
-        with connect(url, ssl=context, additional_headers={"Authorization": f"BEARER {KEY}"}) as socket:
-            assert json.loads(socket.recv(timeout=10))["type"] == "session.created"
+        with connect(url, ssl=context, additional_headers={"Authorization": f"BEARER {KEY}"},
+                     open_timeout=60) as socket:
+            assert json.loads(socket.recv(timeout=60))["type"] == "session.created"
         with pytest.raises(InvalidStatus) as refused:
-            connect(url, ssl=context)
+            connect(url, ssl=context, open_timeout=60)
         assert refused.value.response.status_code == 401
     finally:
         process.terminate()
