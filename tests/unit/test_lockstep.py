@@ -36,6 +36,18 @@ def test_frames_ready_within_one_period_leave_on_the_same_tick():
     assert clock.slept == [pytest.approx(0.059), pytest.approx(0.001)]
 
 
+def test_tickers_made_at_different_moments_share_one_grid():
+    # two orchestrator processes over one set of services: their frames must leave in the same instants
+    clock = StoppedClock(1234.567)
+    first = FrameTicker(0.08, clock)
+    clock.t = 1301.0101
+    second = FrameTicker(0.08, clock)
+    for now in (1301.0101, 1301.08, 1302.3999):
+        assert first.next_tick(now) == second.next_tick(now)
+        assert round(first.next_tick(now) / 0.08, 6) % 1 == 0 and 0 <= first.next_tick(now) - now < 0.08
+    assert first.next_tick(1301.0101) == pytest.approx(1301.04)
+
+
 def test_a_frame_on_a_tick_goes_at_once_and_one_that_waited_a_period_is_not_held_again():
     clock = StoppedClock(0.0)
     ticker = FrameTicker(0.05, clock)
@@ -75,7 +87,7 @@ def test_a_ticked_session_gives_the_same_events_and_holds_each_frame_at_most_to_
     for arrived, released in ticker.calls:
         if released - arrived >= 0.08:  # caught up: it had waited a period behind the frames before it
             continue
-        tick = (released - ticker.epoch) / 0.08
+        tick = released / 0.08
         assert abs(tick - round(tick)) < 1e-6 and arrived <= released, (arrived, released)
         held += 1
     assert held >= 1  # the first frame at least waited for a tick
