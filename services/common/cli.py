@@ -98,6 +98,14 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         f"them to join the batch (default {DEFAULT_GATHER_S * 1000.0:g}; 0 never waits; a lone session never waits)",
     )
     parser.add_argument(
+        "--cohort-wait-ms",
+        type=float,
+        default=0.0,
+        help="before a batch starts, wait at most this long for the sessions that stepped beside its sessions last "
+        "time and have not sent their next step yet, so the frames that left the stage before together step "
+        "together here too (default 0: off; a few ms more than the spread of their arrivals, e.g. 15)",
+    )
+    parser.add_argument(
         "--read-ahead",
         type=int,
         default=0,
@@ -199,6 +207,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--read-ahead {args.read_ahead}: must be 0..16")
     if not 0 <= args.batch_wait_ms < 1000:
         parser.error(f"--batch-wait-ms {args.batch_wait_ms}: must be at least 0 and under 1000")
+    if not 0 <= args.cohort_wait_ms < 1000:
+        parser.error(f"--cohort-wait-ms {args.cohort_wait_ms}: must be at least 0 and under 1000")
     if args.step_log is not None and not args.step_log.parent.is_dir():
         parser.error(f"--step-log {args.step_log}: no such directory {args.step_log.parent}")
     if getattr(args, "max_context", 0) < 0:

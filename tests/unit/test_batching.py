@@ -597,3 +597,62 @@ def test_pipelined_with_nothing_ahead_reads_each_request_after_the_last_answer_i
 
     asyncio.run(scenario())
     assert events == ["read 0", "answer 0", "read 1", "answer 1", "read 2", "answer 2"]
+
+
+def _cohort_batcher(engine_thread, keyed, open_sessions: int, cohort_s: float) -> StepBatcher:
+    return StepBatcher(engine_thread, keyed, sessions=lambda: open_sessions, gather_s=0.002, cohort_s=cohort_s,
+                       key=lambda entry: entry[0])
+
+
+async def _first_batch(batcher: StepBatcher, sessions: str) -> None:
+    """`sessions` step together once (all open sessions arrive at once: no wait)."""
+    await asyncio.gather(*(batcher.submit((s, 1)) for s in sessions))
+
+
+async def _spread(batcher: StepBatcher, early: str, late: str, delay: float) -> float:
+    """Step 2 of `early` now and of `late` after `delay`; the time until every answer is back."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    first = [asyncio.ensure_future(batcher.submit((s, 2))) for s in early]
+    await asyncio.sleep(delay)
+    await asyncio.gather(*first, *(batcher.submit((s, 2)) for s in late))
+    return loop.time() - start
+
+
+@pytest.mark.parametrize("cohort_s, expected", [
+    (0.6, [["a", "b", "c", "d"]]),            # waits for c and d, who stepped beside a and b last time
+    (0.0, [["a", "b"], ["c", "d"]]),          # off: a and b start after the 2 ms gather, c and d after them
+])
+def test_a_batch_waits_for_its_sessions_last_batch_mates(engine_thread, cohort_s, expected):
+    keyed = Keyed()
+    batcher = _cohort_batcher(engine_thread, keyed, open_sessions=6, cohort_s=cohort_s)
+
+    async def scenario():
+        batcher.sessions = lambda: 4  # the first batch: all four open sessions at once
+        await _first_batch(batcher, "abcd")
+        batcher.sessions = lambda: 6  # e and f opened since, elsewhere in their frames: not waited for
+        return await _spread(batcher, "ab", "cd", 0.05)
+
+    elapsed = asyncio.run(scenario())
+    assert [[s for s, _ in batch] for batch in keyed.batches[1:]] == expected
+    assert elapsed < 0.5  # the cohort came: no batch waited out the cap (nor for e and f)
+
+
+def test_a_batch_does_not_wait_for_a_mate_that_stepped_since_nor_past_the_cap(engine_thread):
+    keyed = Keyed()
+    batcher = _cohort_batcher(engine_thread, keyed, open_sessions=4, cohort_s=0.3)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        await _first_batch(batcher, "abcd")
+        await batcher.submit(("c", 2))  # c runs ahead on its own after the 0.3 s cap (a, b, d do not come)
+        start = loop.time()
+        await asyncio.gather(batcher.submit(("a", 2)), batcher.submit(("b", 2)), batcher.submit(("d", 2)))
+        early = loop.time() - start  # every mate still in batch 1 is here: no wait for c, now in batch 2
+        start = loop.time()
+        await batcher.submit(("c", 3))  # c's batch-mates of batch 2 are none: it never waits again
+        return early, loop.time() - start
+
+    early, alone = asyncio.run(scenario())
+    assert [[s for s, _ in batch] for batch in keyed.batches] == [["a", "b", "c", "d"], ["c"], ["a", "b", "d"], ["c"]]
+    assert early < 0.25 and alone < 0.25
