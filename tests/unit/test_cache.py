@@ -2,6 +2,9 @@
 and gathers them back without copies; `StatePools` keeps a batch's stacked states for the next batch of the same
 sessions, all or some of them; `group_by_signature` splits a batch into the entries that can run together."""
 
+import gc
+import threading
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,6 +43,61 @@ def test_arrange_orders_rows_so_that_the_gather_copies_nothing():
     reversed_rows = first[::-1]
     assert sources.arrange(reversed_rows) == [2, 1, 0]
     assert sources.gather([reversed_rows[p] for p in sources.arrange(reversed_rows)]) is whole
+
+
+def test_a_batched_array_is_let_go_once_each_of_its_rows_is_freed_or_forgotten():
+    sources = RowSources()
+    batched = mx.arange(9, dtype=mx.float32).reshape(3, 3)
+    watch = weakref.ref(batched)
+    rows = sources.split(batched)
+    del batched
+    sources.keep({id(rows[0]), id(rows[1])})  # row 2 forgotten while still alive...
+    third = rows.pop()
+    del third  # ...then freed: counted once, not twice
+    del rows[1]
+    gc.collect()
+    assert watch() is not None and sources.source_of(rows[0]) == (watch(), 0)
+    assert sources.gather(rows) is not watch() and np.array_equal(np.array(sources.gather(rows)), [[0, 1, 2]])
+    del rows
+    gc.collect()
+    assert watch() is None  # the last row gone: nothing of the batch is held here
+
+
+def test_rows_freed_on_other_threads_while_the_engine_thread_splits_gathers_and_keeps():
+    sources, handed, errors = RowSources(), [], []
+    lock, stop = threading.Lock(), threading.Event()
+    watches = []
+
+    def free() -> None:  # the sessions' threads, letting their rows go at any moment
+        try:
+            while not stop.is_set() or handed:
+                with lock:
+                    rows = handed.pop(0) if handed else None
+                del rows
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=free) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    last = last_batched = None
+    for step in range(300):
+        batched = mx.full((8, 4), float(step))
+        watches.append(weakref.ref(batched))
+        rows = sources.split(batched)
+        if last is not None:
+            assert sources.gather(last) is last_batched  # the engine still holds last: the same array back
+        sources.keep({id(r) for r in rows})
+        with lock:
+            handed.append(rows)
+        last, last_batched = list(rows), batched
+        del rows, batched
+    stop.set()
+    for thread in threads:
+        thread.join()
+    del last, last_batched
+    gc.collect()
+    assert not errors and not [w for w in watches if w() is not None]
 
 
 @dataclass
