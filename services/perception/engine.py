@@ -388,13 +388,11 @@ class PerceptionEngine:
         active = list(range(len(streams)))  # row j of `proposal` is streams[active[j]]
         while proposal is not None:
             ids = proposal.ids.tolist()
-            states = [([self._rows.split(a) for a in hs], [self._rows.split(a) for a in cs])
-                      for hs, cs in proposal.states]
+            states = _ProposedStates(proposal.states, self._rows)
             more = []
             for j, b in enumerate(active):
                 left = rnnt.max_symbols - len(emitted[b])  # a row may be proposed more steps than it has left
-                own = [([r[j] for r in hs], [r[j] for r in cs]) for hs, cs in states]
-                if rnnt.accept(streams[b].rnnt, ids[j][:left], own, emitted[b]):
+                if rnnt.accept(streams[b].rnnt, ids[j][:left], states.row(j), emitted[b]):
                     more.append(j)
             if not more:
                 break
@@ -408,6 +406,46 @@ class PerceptionEngine:
                                           proposal.states[0][0][0].dtype)
             mx.eval(proposal.arrays())
         return [(emitted[b], rnnt.update_text(s.rnnt, before[b])) for b, s in enumerate(streams)]
+
+
+class _ProposedStates:
+    """The LSTM states a round of batched greedy steps leaves, step by step, as each row's own rows: a step's
+    states are split into rows when a row first takes them. A row takes the state of its last emitting step only,
+    and none when it emits a blank first (most rows of most frames), so at most one step's states a row are split,
+    not every step's."""
+
+    def __init__(self, states: list[tuple[list[mx.array], list[mx.array]]], rows: RowSources):
+        self._states, self._rows = states, rows
+        self._split: dict[int, tuple[list[list[mx.array]], list[list[mx.array]]]] = {}
+
+    def row(self, j: int) -> _RowStates:
+        return _RowStates(self, j)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def step_rows(self, k: int) -> tuple[list[list[mx.array]], list[list[mx.array]]]:
+        """Step k's (h, c) per layer, each split into the batch's rows (once)."""
+        if k not in self._split:
+            hs, cs = self._states[k]
+            self._split[k] = ([self._rows.split(a) for a in hs], [self._rows.split(a) for a in cs])
+        return self._split[k]
+
+
+class _RowStates(Sequence):
+    """Row j's states of a round (`RNNT.accept`'s `states`): item k is the (h, c) per layer step k leaves."""
+
+    def __init__(self, round_states: _ProposedStates, j: int):
+        self._round, self._j = round_states, j
+
+    def __len__(self) -> int:
+        return len(self._round)
+
+    def __getitem__(self, k: int) -> tuple[list[mx.array], list[mx.array]]:
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        hs, cs = self._round.step_rows(k % len(self))
+        return [r[self._j] for r in hs], [r[self._j] for r in cs]
 
 
 def _solo(stream: PerceptionStream, frame: mx.array | np.ndarray) -> StreamFrame | ValueError:

@@ -339,3 +339,33 @@ def test_after_precompile_streams_opening_and_pushing_in_any_subsets_trace_nothi
         if live and rng.random() < 0.05:
             live.pop(rng.randrange(len(live)))
     assert len(live) >= 4  # the schedule did reach batches of several streams
+
+
+def test_a_rounds_proposed_states_are_split_only_for_the_steps_a_row_takes():
+    from services.common.cache import RowSources
+    from services.perception.engine import _ProposedStates
+
+    class Counting(RowSources):
+        def __init__(self):
+            super().__init__()
+            self.splits = 0
+
+        def split(self, batched, squeeze=False):
+            self.splits += 1
+            return super().split(batched, squeeze)
+
+    rows, layers, steps, batch = Counting(), 2, 3, 4
+    states = [([mx.full((batch, 5), 100.0 * k + n) + mx.arange(batch)[:, None] for n in range(layers)],
+               [mx.full((batch, 5), -100.0 * k - n) for n in range(layers)]) for k in range(steps)]
+    proposed = _ProposedStates(states, rows)
+    assert rows.splits == 0 and len(proposed.row(0)) == steps  # nothing split until a row takes a state
+    h, c = proposed.row(2)[1]  # row 2 emitted twice: the state step 1 left
+    assert rows.splits == 2 * layers
+    assert [np.array(a).tolist() for a in h] == [[[100.0 + n + 2] * 5] for n in range(layers)]
+    assert [np.array(a).tolist() for a in c] == [[[-100.0 - n] * 5] for n in range(layers)]
+    h, _ = proposed.row(0)[-2]  # another row, the same step: no split again
+    assert rows.splits == 2 * layers and np.array(h[0]).tolist() == [[100.0] * 5]
+    proposed.row(3)[2]
+    assert rows.splits == 4 * layers
+    with pytest.raises(IndexError):
+        proposed.row(0)[steps]
