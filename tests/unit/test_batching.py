@@ -371,8 +371,13 @@ def test_the_step_log_gets_each_batched_call_in_order_with_its_times_and_size(en
     batcher = StepBatcher(engine_thread, recorder, max_batch=4, step_log=log)
     before = time.monotonic()
 
+    async def queue():
+        steps = [asyncio.ensure_future(batcher.submit(n)) for n in (1, 2, 3)]
+        await asyncio.sleep(0.01)  # queued behind the held batch
+        return steps
+
     async def scenario():
-        return await _behind_a_held_batch(recorder, batcher, lambda: asyncio.gather(*map(batcher.submit, [1, 2, 3])))
+        return await asyncio.gather(*await _behind_a_held_batch(recorder, batcher, queue))
 
     assert asyncio.run(scenario()) == [10, 20, 30]
     with path.open("a") as cut:  # a writer killed mid-line leaves a partial last line
