@@ -54,7 +54,7 @@ Request = TypeVar("Request")
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_GATHER_S = 0.002
-_COHORT_MEMORY = 256  # batches a session's last batch is remembered for, once more sessions are known than batched
+_COHORT_MEMORY = 256  # batches after which a session that has not stepped since is forgotten (checked this often)
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class StepBatcher(Generic[Entry, Result]):
             self._leave(session)
             self._last_batch[session] = self._batches
         self._stayed[self._batches] = len(sessions)
-        if len(self._last_batch) > 2 * self.max_batch + 64:  # sessions gone long ago: forget them
+        if not self._batches % _COHORT_MEMORY:  # now and then, not every batch: forget sessions gone long ago
             oldest = self._batches - _COHORT_MEMORY
             for session in [s for s, number in self._last_batch.items() if number < oldest]:
                 self._leave(session)

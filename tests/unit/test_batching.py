@@ -661,3 +661,16 @@ def test_a_batch_does_not_wait_for_a_mate_that_stepped_since_nor_past_the_cap(en
     early, alone = asyncio.run(scenario())
     assert [[s for s, _ in batch] for batch in keyed.batches] == [["a", "b", "c", "d"], ["c"], ["a", "b", "d"], ["c"]]
     assert early < 0.25 and alone < 0.25
+
+
+def test_the_cohorts_of_sessions_long_gone_are_forgotten(engine_thread):
+    keyed = Keyed()
+    batcher = _cohort_batcher(engine_thread, keyed, open_sessions=2, cohort_s=0.01)
+
+    async def scenario():
+        for n in range(600):  # 600 batches, each of two sessions never seen again
+            await asyncio.gather(batcher.submit((f"a{n}", 1)), batcher.submit((f"b{n}", 1)))
+
+    asyncio.run(scenario())
+    assert len(keyed.batches) == 600
+    assert len(batcher._last_batch) <= 2 * 2 * 256 and len(batcher._stayed) <= 2 * 256  # not 1200 and 600
