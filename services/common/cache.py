@@ -44,6 +44,7 @@ step of some members costs a few small gathers and scatters more than a step of 
 from __future__ import annotations
 
 import abc
+import copy
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -248,6 +249,16 @@ class GroupedCache(abc.ABC):
     @abc.abstractmethod
     def slots_of_last(self, n: int) -> np.ndarray:
         """The slots its last n single keys went to (n below what it holds; its layout unchanged meanwhile)."""
+
+    def copy(self) -> GroupedCache:
+        """A cache holding what this one holds, its counters and keys, in array objects of its own: a write of
+        either (in place, by slice) leaves the other as it is. Copies a template that never steps in a group."""
+        if self.group is not None:
+            raise ValueError("a cache stepping in a group has no arrays of its own to copy")
+        other = copy.copy(self)
+        if self._keys is not None:
+            other._keys, other._values = mx.array(self._keys), mx.array(self._values)
+        return other
 
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""

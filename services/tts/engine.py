@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
+from services.common import cache as cache_layout
 from services.common import split_matmul
 from services.common.batching import raise_first
 from services.common.cache import (
@@ -54,6 +55,9 @@ from services.tts.subword import CharTable
 # first): the language service's default prompt limit of 1024 tokens needs 1023. Each is a full model step.
 DEFAULT_MAX_PREFIX_STEPS = 1024
 TEXT_ROWS_KEPT = 4096  # text-id embeddings kept by an engine (each (1, 1, hidden): about 9 MB at the real size)
+# speaker-prompt warm-ups kept by an engine, each its caches after the prompt (the full model's 37 frames: 19 MB);
+# sessions ask for one prompt (the codec's encoding of silence) unless a client sends its own codes
+WARMUPS_KEPT = 4
 TTS_PREFIXES = ("tts_model.tts_model.", "tts_model.audio_prompt_latents.", "tts_model.codec_silence_tokens",
                 "tts_model._control_codes")
 
@@ -90,6 +94,8 @@ class TTSEngine:
     # global-layer keys a session keeps past its prompt and prefix (LoadOptions.max_context; None or 0: all)
     max_context: int | None = DEFAULT_MAX_CONTEXT
     _text_rows: OrderedDict[int, mx.array] = field(default_factory=OrderedDict, repr=False)
+    # (prompt codes, cache bound, growth block) -> the caches a session holds after warming up on those codes (`warmed`)
+    _warmups: OrderedDict[tuple, list[FullCache | RingCache]] = field(default_factory=OrderedDict, repr=False)
     # each session's previous codes and random key are rows of the last batched step's arrays (`RowSources`), so
     # the next step of the same sessions gathers them without a copy per session
     _rows: RowSources = field(default_factory=RowSources, repr=False)
@@ -163,6 +169,23 @@ class TTSEngine:
     def open_session(self, seed: int, prompt_codes: np.ndarray, prefix_steps: int = 0) -> TTSSession:
         """Warm up a new session on the speaker prompt, then run `prefix_steps` pad steps."""
         return TTSSession(self, seed, prompt_codes, prefix_steps)
+
+    def warmed(self, codes: np.ndarray, prefix_steps: int) -> list[FullCache | RingCache]:
+        """New caches holding the speaker prompt `codes` (P, Q) int32, bounded for `prefix_steps` more kept
+        steps. The warm-up runs once per distinct prompt and is copied after (the same computation, so the same
+        bits: it draws no random numbers), so sessions opening together do not each run it."""
+        bound = context_bound(codes.shape[0] + prefix_steps, self.max_context)
+        key = (codes.tobytes(), codes.shape, bound, cache_layout.GROW)  # what the caches' contents and sizes follow
+        template = self._warmups.pop(key, None)
+        if template is None:
+            template = self.model.backbone.make_caches(bound)
+            prompt = mx.array(codes)[None]
+            self.model.warmup(prompt, self.prompt_latent, self.config.pad_token_id, self.table, template)
+            mx.eval([a for cache in template for a in (cache.keys, cache.values)])
+        self._warmups[key] = template  # most recently used last
+        while len(self._warmups) > WARMUPS_KEPT:
+            self._warmups.pop(next(iter(self._warmups)))
+        return [cache.copy() for cache in template]
 
     def check_prefix_steps(self, prefix_steps: int) -> None:
         """ValueError / LimitExceeded unless 0 <= prefix_steps <= max_prefix_steps."""
@@ -297,11 +320,9 @@ class TTSSession:
         self.serial = next(_SERIALS)  # orders the sessions of a batch
         self.rng = SessionKey(seed)
         # the speaker prompt's and the system prompt's prefix steps' keys are kept for good
-        bound = context_bound(frames + prefix_steps, engine.max_context)
-        self.caches: list[FullCache | RingCache] = engine.model.backbone.make_caches(bound)
-        prompt = mx.array(codes.astype(np.int32))[None]
-        engine.model.warmup(prompt, engine.prompt_latent, engine.config.pad_token_id, engine.table, self.caches)
-        self.previous = prompt[:, -1:]
+        codes = codes.astype(np.int32)
+        self.caches: list[FullCache | RingCache] = engine.warmed(codes, prefix_steps)
+        self.previous = mx.array(codes[-1:])[None]
         self.steps = 0
         for _ in range(prefix_steps):
             self.step(engine.config.pad_token_id)

@@ -289,3 +289,40 @@ def test_text_rows_of_repeated_ids_equal_each_ids_own_row(engine):
         assert got.shape == (len(ids), 1, engine.config.tts_config.hidden_size)
         for n, text_id in enumerate(ids):
             np.testing.assert_array_equal(got[n], np.array(engine.text_rows([text_id]).astype(mx.float32))[0])
+
+
+def test_sessions_opened_on_one_prompt_share_its_warm_up_and_step_as_if_each_had_run_it(engine, monkeypatch):
+    """The speaker prompt's warm-up runs once per distinct prompt; each session gets caches of its own, bit for
+    bit what its own warm-up gives, which its steps change without touching the others'."""
+    from services.common.cache import context_bound
+
+    warmups = []
+    warmup = engine.model.warmup
+    monkeypatch.setattr(engine.model, "warmup", lambda *args: (warmups.append(1), warmup(*args))[1])
+    engine._warmups.clear()
+    prompt, other = _prompt(engine, 11), _prompt(engine, 12)
+    a, b = engine.open_session(0, prompt), engine.open_session(1, prompt)
+    c = engine.open_session(2, other)
+    assert len(warmups) == 2  # one per prompt, not per session
+    # what a session's own warm-up gives: its caches made and warmed directly
+    own = engine.model.backbone.make_caches(context_bound(engine.prompt_frames, engine.max_context))
+    warmup(mx.array(prompt.astype(np.int32))[None], engine.prompt_latent, engine.config.pad_token_id, engine.table,
+           own)
+    for session in (a, b):
+        for mine, theirs in zip(session.caches, own, strict=True):
+            assert (mine.offset, mine.capacity) == (theirs.offset, theirs.capacity)
+            assert np.array(mine.keys).tobytes() == np.array(theirs.keys).tobytes()
+            assert np.array(mine.values).tobytes() == np.array(theirs.values).tobytes()
+    pad = engine.config.pad_token_id
+    for _ in range(3):
+        engine.step_batch([(a, pad), (c, pad)])  # b stays at its prompt
+    assert a.caches[0].offset == b.caches[0].offset + 3
+    for mine, theirs in zip(b.caches, own, strict=True):  # a's steps wrote nothing of b's or the template's
+        assert np.array(mine.keys).tobytes() == np.array(theirs.keys).tobytes()
+    d, e = engine.open_session(5, prompt), engine.open_session(5, prompt)
+    e.caches = engine.model.backbone.make_caches(context_bound(engine.prompt_frames, engine.max_context))
+    warmup(mx.array(prompt.astype(np.int32))[None], engine.prompt_latent, engine.config.pad_token_id, engine.table,
+           e.caches)  # e warmed up on its own, as if nothing were shared
+    for text_id in (pad, 7, 19):
+        assert np.stack(d.step(text_id)).tobytes() == np.stack(e.step(text_id)).tobytes()
+    assert len(warmups) == 2  # d and e opened on the kept warm-up
