@@ -14,6 +14,10 @@ sessions and per-frame latency p50/p95, over gRPC and for the same K sessions st
 this process (its batched call); the difference of the two latencies is what the transport and the service's
 queueing cost. A service the bench starts has the batch sizes it will see compiled at load.
 
+In process (--no-grpc) each K's table row also gives the opening: the K sessions' opens and their first step
+together (a step that runs what the opens left to the first step, e.g. speech's warm-up, costs more than the
+rest), both left out of the percentiles.
+
 --partial N (in-process, with --no-grpc) has every third step leave N of the K sessions out, other ones each
 time, as a live service's batch does when some sessions' frames are late: the table then splits the steps into
 full ones after a full one, partial ones, and full ones after a partial one.
@@ -316,7 +320,9 @@ def in_process(name: str, model: Path, config: VoiceChatConfig, sessions: list[i
 def run_burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: int, host_split: bool, kernels: int,
               recorder: KernelRecorder | None, split, burst: BurstMemory | None) -> dict:
     """`in_process` for one K: its sessions opened, stepped and closed."""
+    start = time.perf_counter()
     live = [driver.open() for _ in range(k)]
+    opens_ms, first_ms = (time.perf_counter() - start) * 1000.0, None
     latencies, kinds, frames_stepped, previous = [], [], 0, k
     host: list[tuple[float, float, float, float]] = []  # per step: Python, launch, wait, thread CPU (ms)
     with split if host_split else contextlib.nullcontext():
@@ -328,6 +334,7 @@ def run_burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: i
             start, cpu = time.perf_counter(), time.thread_time()
             driver.step(members)
             wall_ms, cpu_ms = (time.perf_counter() - start) * 1000.0, (time.thread_time() - cpu) * 1000.0
+            first_ms = wall_ms if first_ms is None else first_ms
             if index >= warmup:
                 latencies.append(wall_ms)
                 frames_stepped += len(members)
@@ -340,7 +347,8 @@ def run_burst(driver: EngineDriver, k: int, frames: int, warmup: int, partial: i
     if burst is not None:
         burst.stepped()
     report = {"sessions": k, "frames_per_second": frames_stepped / (sum(latencies) / 1000.0),
-              "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95)}
+              "latency_p50_ms": percentile(latencies, 0.5), "latency_p95_ms": percentile(latencies, 0.95),
+              "opening": {"opens_ms": opens_ms, "first_step_ms": first_ms}}  # the K sessions' opens, their first step
     if host_split:
         report["host_times"] = {name: percentile([step[i] for step in host], 0.5) for i, name in
                                 enumerate(("python_ms", "launch_ms", "wait_ms", "thread_cpu_ms"))}
@@ -531,17 +539,19 @@ def main(argv: list[str] | None = None) -> int:
         kinds = ("full", "partial", "after_partial") if args.partial else ()
         host = ("Python", "launch", "device wait", "thread CPU") if args.host_split else ()
         memory = ("idle", "held", "peak", "left", "cache") if args.memory else ()
-        print("| sessions | in-process frames/s | in-process p50 / p95 ms |"
+        print("| sessions | in-process frames/s | in-process p50 / p95 ms | opens / first step ms |"
               + "".join(f" {kind.replace('_', ' ')}: steps, p50 / p95 ms |" for kind in kinds)
               + "".join(f" {name} p50 ms |" for name in host) + "".join(f" {name} MiB |" for name in memory))
-        print("| --- | --- | --- |" + " --- |" * (len(kinds) + len(host) + len(memory)))
+        print("| --- | --- | --- | --- |" + " --- |" * (len(kinds) + len(host) + len(memory)))
         for row in rows:
             p = row["in_process"]
             split = "".join(f" {p[kind]['steps']}, {_ms(p[kind])} |" for kind in kinds)
             times = "".join(f" {ms:.2f} |" for ms in p["host_times"].values()) if host else ""
             held = "".join(f" {p['memory'][f'{name}_mb']:.2f} |" for name in memory)
+            opening = p["opening"]
             print(f"| {row['sessions']} | {p['frames_per_second']:.1f} | {p['latency_p50_ms']:.2f} / "
-                  f"{p['latency_p95_ms']:.2f} |{split}{times}{held}")
+                  f"{p['latency_p95_ms']:.2f} | {opening['opens_ms']:.1f} / {opening['first_step_ms']:.1f} |"
+                  f"{split}{times}{held}")
         for row in rows:
             if "kernels" in row["in_process"]:
                 print(f"\n{row['sessions']} sessions: " + "\n".join(kernel_table(row["in_process"]["kernels"])))

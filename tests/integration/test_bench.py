@@ -46,8 +46,10 @@ def test_service_bench_in_process_only_starts_no_service(tiny_checkpoint, capsys
                          "--warmup", "0", "--no-grpc"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("tts in this process") and lines[1] == "| sessions | in-process frames/s | " \
-        "in-process p50 / p95 ms |"
+        "in-process p50 / p95 ms | opens / first step ms |"
     assert [line.split(" | ")[0] for line in lines[3:]] == ["| 1", "| 2"]
+    opens, first = (float(ms) for ms in lines[4].split(" | ")[3].split(" / "))
+    assert opens > 0 and first > 0
     with pytest.raises(SystemExit):
         service.main(["tts", "--model", str(tiny_checkpoint), "--no-grpc", "--no-in-process"])
     assert service.main(["llm", "--model", str(tiny_checkpoint), "--frames", "2", "--warmup", "0", "--no-grpc",
@@ -70,6 +72,7 @@ def test_service_bench_times_full_partial_and_after_partial_steps_apart(tiny_che
                                 partial=1)[3]
     # steps 2..8 measured: partial at 2, 5, 8; after a partial at 3, 6; full at 4, 7
     assert [report[kind]["steps"] for kind in ("full", "partial", "after_partial")] == [2, 3, 2]
+    assert report["opening"]["opens_ms"] > 0 and report["opening"]["first_step_ms"] > 0
     assert all(report[kind]["p50_ms"] > 0 for kind in ("full", "partial", "after_partial"))
     assert report["frames_per_second"] > 0
 
@@ -79,7 +82,7 @@ def test_service_bench_partial_needs_the_in_process_side_and_fewer_than_the_sess
                          "--warmup", "1", "--no-grpc", "--partial", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].endswith("| partial: steps, p50 / p95 ms | after partial: steps, p50 / p95 ms |")
-    assert lines[3].startswith("| 3 |") and len(lines[3].split(" | ")) == 6
+    assert lines[3].startswith("| 3 |") and len(lines[3].split(" | ")) == 7
     for bad in (["--partial", "1"], ["--no-grpc", "--partial", "3"], ["--no-grpc", "--sessions", "1,4", "--partial",
                                                                       "1"]):
         with pytest.raises(SystemExit):
