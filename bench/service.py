@@ -226,8 +226,11 @@ class EngineDriver:
         self.engine.stack_up_to = STACK_ALL
 
     def precompile(self, max_batch: int) -> None:
-        """The batch sizes up to max_batch traced, as a service does at load with --precompile-batches."""
+        """The batch sizes up to max_batch traced, as a service does at load with --precompile-batches, and one
+        session opened and closed: what an engine keeps of a first opening (speech's warm-up of this driver's
+        prompt) is then the engine's, as in a running service, not a burst's."""
         self.engine.precompile(max_batch)
+        self.close([self.open()])
 
     def open(self) -> object:
         session = self._open()
