@@ -55,7 +55,8 @@ from services.tts.subword import CharTable
 # first): the language service's default prompt limit of 1024 tokens needs 1023. Each is a full model step.
 DEFAULT_MAX_PREFIX_STEPS = 1024
 TEXT_ROWS_KEPT = 4096  # text-id embeddings kept by an engine (each (1, 1, hidden): about 9 MB at the real size)
-# speaker-prompt warm-ups kept by an engine, each its caches after the prompt (the full model's 37 frames: 19 MB);
+# speaker-prompt warm-ups kept by an engine, each its caches after the prompt (the full model: 37 frames, its global
+# layers' buffers a first block of 256 positions; about 35 MB);
 # sessions ask for one prompt (the codec's encoding of silence) unless a client sends its own codes
 WARMUPS_KEPT = 4
 TTS_PREFIXES = ("tts_model.tts_model.", "tts_model.audio_prompt_latents.", "tts_model.codec_silence_tokens",
