@@ -309,3 +309,18 @@ def test_service_bench_reports_a_bursts_memory(tiny_checkpoint, capsys):
         service.main(["tts", "--model", str(tiny_checkpoint), "--memory"])
     with pytest.raises(SystemExit):  # perception and the codec stack no attention caches
         service.main(["codec", "--model", str(tiny_checkpoint), "--no-grpc", "--stack-all"])
+
+
+def test_restore_bench_times_each_phase_of_a_merged_state(capsys):
+    from bench import restore
+
+    assert restore.main(["--layers", "2", "--positions", "8", "--deltas", "2", "--every", "4", "--repeat", "2",
+                         "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 2 layers x keys and values x (2 rows, 16 heads, 8 + 2 x 4 positions, 72) float32
+    assert report["positions"] == 16 and report["held_mb"] == 2 * 2 * 2 * 16 * 16 * 72 * 4 / 1e6
+    assert len(report["runs"]) == 2
+    assert all(list(run) == ["parts", "serialize", "parse", "from_parts", "arrays"] for run in report["runs"])
+    assert all(seconds > 0 for run in report["runs"] for seconds in run.values())
+    with pytest.raises(SystemExit):
+        restore.main(["--every", "0"])
