@@ -230,7 +230,7 @@ class EngineDriver:
         session opened and closed: what an engine keeps of a first opening (speech's warm-up of this driver's
         prompt) is then the engine's, as in a running service, not a burst's."""
         self.engine.precompile(max_batch)
-        self.close([self.open()])
+        self._close(self._open())
 
     def open(self) -> object:
         session = self._open()
