@@ -23,6 +23,7 @@ from services.common.batching import raise_first
 from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
 from services.common.errors import LimitExceeded
+from services.common.kept import kept
 from services.common.snapshot import Marks, Snapshot, State
 
 DEFAULT_MAX_FRAMES = 4096  # about 5.5 minutes of audio per unary call
@@ -133,17 +134,15 @@ class CodecEngine:
         the mask value (codebook_size) and drop the last frame -> (frames, Q) int32."""
         if frames < 2:
             raise ValueError(f"prompt frames must be at least 2, got {frames}")
-        codes = self._prompt_codes.pop(frames, None)
-        if codes is None:
+        def encoded() -> np.ndarray:
             self._check_frames(frames + 1)
             silence = self.codec.encode(mx.zeros((1, (frames + 1) * self.samples_per_frame), dtype=mx.float32))
             codes = np.array(silence[0])
             codes[[0, frames - 1]] = self.codebook_size
-            codes = codes[:frames]
-        self._prompt_codes[frames] = codes  # most recently used last; sessions ask for one or two lengths
-        while len(self._prompt_codes) > PROMPT_CODES_KEPT:
-            self._prompt_codes.pop(next(iter(self._prompt_codes)))
-        return codes.copy()
+            return codes[:frames]
+
+        # sessions ask for one or two lengths
+        return kept(self._prompt_codes, frames, encoded, PROMPT_CODES_KEPT).copy()
 
     def decode_batch(self, frames: Sequence[tuple[DecodeStream, int, np.ndarray]]) -> list[np.ndarray | Exception]:
         """One frame for each of several streams: entry i is the arguments of `stream.decode_frame(frame_index,

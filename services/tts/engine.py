@@ -41,6 +41,7 @@ from services.common.cache import (
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
+from services.common.kept import kept
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
 from services.common.snapshot import Marks, Snapshot, State, items
@@ -96,7 +97,7 @@ class TTSEngine:
     max_context: int | None = DEFAULT_MAX_CONTEXT
     _text_rows: OrderedDict[int, mx.array] = field(default_factory=OrderedDict, repr=False)
     # (prompt codes, cache bound, growth block) -> the caches a session holds after warming up on those codes (`warmed`)
-    _warmups: OrderedDict[tuple, list[FullCache | RingCache]] = field(default_factory=OrderedDict, repr=False)
+    _warmups: dict[tuple, list[FullCache | RingCache]] = field(default_factory=dict, repr=False)
     # each session's previous codes and random key are rows of the last batched step's arrays (`RowSources`), so
     # the next step of the same sessions gathers them without a copy per session
     _rows: RowSources = field(default_factory=RowSources, repr=False)
@@ -176,17 +177,14 @@ class TTSEngine:
         steps. The warm-up runs once per distinct prompt and is copied after (the same computation, so the same
         bits: it draws no random numbers), so sessions opening together do not each run it."""
         bound = context_bound(codes.shape[0] + prefix_steps, self.max_context)
+        def warmed_up() -> list[FullCache | RingCache]:
+            caches = self.model.backbone.make_caches(bound)
+            self.model.warmup(mx.array(codes)[None], self.prompt_latent, self.config.pad_token_id, self.table, caches)
+            mx.eval([a for cache in caches for a in (cache.keys, cache.values)])
+            return caches
+
         key = (codes.tobytes(), codes.shape, bound, cache_layout.GROW)  # what the caches' contents and sizes follow
-        template = self._warmups.pop(key, None)
-        if template is None:
-            template = self.model.backbone.make_caches(bound)
-            prompt = mx.array(codes)[None]
-            self.model.warmup(prompt, self.prompt_latent, self.config.pad_token_id, self.table, template)
-            mx.eval([a for cache in template for a in (cache.keys, cache.values)])
-        self._warmups[key] = template  # most recently used last
-        while len(self._warmups) > WARMUPS_KEPT:
-            self._warmups.pop(next(iter(self._warmups)))
-        return [cache.copy() for cache in template]
+        return [cache.copy() for cache in kept(self._warmups, key, warmed_up, WARMUPS_KEPT)]
 
     def check_prefix_steps(self, prefix_steps: int) -> None:
         """ValueError / LimitExceeded unless 0 <= prefix_steps <= max_prefix_steps."""
