@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -76,6 +77,7 @@ def load_against(tree: Path) -> Product:
     spec = importlib.util.spec_from_file_location("against_split_matmul",
                                                   tree / "services" / "common" / "split_matmul.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass in the module looks its module up while it is being made
     spec.loader.exec_module(module)
     return module.split_matmul
 

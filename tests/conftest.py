@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tools.make_checkpoint import write_checkpoint
+# The services keep float32 matmuls out of TF32 on CUDA when they are imported (services/common/loading.py), but
+# MLX reads the setting once, at its first matmul, and a test may multiply before importing any service.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+from tools.make_checkpoint import write_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "parity" / "golden"
