@@ -73,10 +73,13 @@ class Linear:
             if bias is not None:
                 return mx.addmm(bias, x, weight.T)
             return x @ weight.T
+        # Every row of x as one matrix: MLX's CUDA kernel takes the axes before the last two as separate problems,
+        # each reading the whole weight, so a batched step's (B, 1, K) would read it B times; (B, K) reads it once.
+        # Each output row is its own dot products either way (on the CPU bit for bit: tests/unit/test_layers.py).
         y = mx.quantized_matmul(
-            x, weight, scales=scales, biases=biases, transpose=True,
+            x.reshape(-1, x.shape[-1]), weight, scales=scales, biases=biases, transpose=True,
             group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
-        )
+        ).reshape(*x.shape[:-1], -1)
         return y + bias if bias is not None else y
 
     def dense_weight(self) -> mx.array:

@@ -173,3 +173,19 @@ def test_grouped_projections_are_the_layers_outputs_side_by_side_joined_or_not()
         for counts in ((1, 1), (2, 2), (0, 3)):
             with pytest.raises(ValueError, match="do not cover"):
                 projections.grouped(x, counts)
+
+
+@pytest.mark.parametrize("shape", [(5, 1), (2, 3), (1, 4)])
+def test_a_quantized_layer_multiplies_every_row_as_one_matrix(monkeypatch, shape):
+    """A batched step's (B, 1, K) goes to the quantized kernel as (B, K): on CUDA the leading axes of a 3-D input
+    are separate problems, each reading the whole weight. The output keeps x's leading axes and every row equals
+    that row multiplied alone."""
+    spec = QuantSpec(bits=4, group_size=64)
+    layer = Linear.from_weights(_weights(_quantized("q", 48, 128, spec), {"q": spec}), "q")
+    x = mx.array(RNG.standard_normal((*shape, 128)).astype(np.float32))
+    seen, kernel = [], mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda a, *args, **kw: seen.append(a.shape) or kernel(a, *args, **kw))
+    y = layer(x)
+    assert seen == [(shape[0] * shape[1], 128)] and y.shape == (*shape, 48)
+    alone = [[np.array(layer(x[i, j][None]))[0] for j in range(shape[1])] for i in range(shape[0])]
+    np.testing.assert_array_equal(np.array(y), np.array(alone))
