@@ -48,8 +48,8 @@ import copy
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -177,6 +177,17 @@ class GroupedCache(abc.ABC):
     @property
     def values(self) -> mx.array | None:
         return self._values if self.group is None else self.group.rows(self)[1]
+
+    def buffers(self) -> list[mx.array]:
+        """The arrays holding its keys and values: its group's pair (shared with the other members) while it is in
+        one, else its own. What a step that wrote them evaluates; unlike `keys`, no views are made."""
+        if self.group is not None:
+            return [self.group.keys, self.group.values]
+        return [a for a in (self._keys, self._values) if a is not None]
+
+    def dtypes(self) -> tuple[Any, ...]:
+        """Its keys' and values' dtypes (a group's members share theirs), without making views."""
+        return tuple(a.dtype for a in self.buffers())
 
     @property
     def capacity(self) -> int:
@@ -629,24 +640,73 @@ class RingCache(GroupedCache):
         return (rows >= cols) & (rows < cols + self.window)
 
 
-@dataclass
-class MambaCache:
+class PooledState:
+    """A state of a few arrays of one row each (`width` of them) that a pool's batched step may hold as rows of
+    its stacks: the state is then read as views of those rows only when something reads it (a solo step, a
+    snapshot), not made for every session after every batched step. Setting `state` gives it arrays of its own.
+    """
+
+    width = 0
+
+    def __init__(self, state: tuple[mx.array | None, ...] | None = None) -> None:
+        self._state: tuple[mx.array | None, ...] | None = state or (None,) * self.width
+        self._rows: tuple[list[mx.array], int, int] | None = None  # (stacks, first, row) while a pool's
+
+    @property
+    def state(self) -> tuple[mx.array | None, ...]:
+        if self._state is None:
+            stacks, first, row = self._rows
+            self._state = tuple(stack[row : row + 1] for stack in stacks[first : first + self.width])
+        return self._state
+
+    @state.setter
+    def state(self, state: tuple[mx.array | None, ...]) -> None:
+        self._state, self._rows = tuple(state), None
+
+    def take_rows(self, stacks: list[mx.array], first: int, row: int) -> None:
+        """Hold row `row` of stacks[first], stacks[first + 1], ... as its state, read when first needed."""
+        self._state, self._rows = None, (stacks, first, row)
+
+    def holds_rows(self, stacks: list[mx.array], first: int, row: int) -> bool:
+        """Whether its state is still those rows (read or not), nothing having set it since."""
+        rows = self._rows
+        return rows is not None and rows[0] is stacks and rows[1] == first and rows[2] == row
+
+    def dtypes(self) -> tuple[Any, ...]:
+        """Its arrays' dtypes, without reading held rows."""
+        if self._state is None:
+            stacks, first, _ = self._rows
+            return tuple(stack.dtype for stack in stacks[first : first + self.width])
+        return tuple(a.dtype for a in self._state if a is not None)
+
+
+class MambaCache(PooledState):
     """A Mamba2 layer's state: conv tail (B, K-1, conv_dim) and SSM state (B, H, head_dim, state). A batched
     step stacks `state` with the other sessions' (`StatePools`)."""
 
-    conv: mx.array | None = None
-    ssm: mx.array | None = None
+    width = 2
+
+    def __init__(self, conv: mx.array | None = None, ssm: mx.array | None = None) -> None:
+        super().__init__((conv, ssm))
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.conv, self.ssm
+    def conv(self) -> mx.array | None:
+        return self.state[0]
 
-    @state.setter
-    def state(self, state: tuple[mx.array, mx.array]) -> None:
-        self.conv, self.ssm = state
+    @conv.setter
+    def conv(self, conv: mx.array | None) -> None:
+        self.state = (conv, self.state[1])
+
+    @property
+    def ssm(self) -> mx.array | None:
+        return self.state[1]
+
+    @ssm.setter
+    def ssm(self, ssm: mx.array | None) -> None:
+        self.state = (self.state[0], ssm)
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.conv, self.ssm) if a is not None]
+        return [a for a in self.state if a is not None]
 
     def snapshot(self, since: Marks | None = None) -> dict[str, mx.array]:
         """Its state: its own rows of the conv tail and SSM state (views of a pool's stacks, read as they are).
@@ -654,8 +714,7 @@ class MambaCache:
         return {name: a for name, a in (("conv", self.conv), ("ssm", self.ssm)) if a is not None}
 
     def restore(self, snapshot: Snapshot) -> None:
-        self.conv = snapshot.optional("conv", snapshot.array)
-        self.ssm = snapshot.optional("ssm", snapshot.array)
+        self.state = (snapshot.optional("conv", snapshot.array), snapshot.optional("ssm", snapshot.array))
 
 
 # ---- attention caches: the batched write-and-attend ---------------------------------------------------------
@@ -740,18 +799,12 @@ def _padded(seen: mx.array, buffer: mx.array, width: int) -> mx.array:
 # ---- recurrent states: pools of stacked rows ----------------------------------------------------------------
 
 
-class StateHolder(Protocol):
-    """A cache whose whole state is a few arrays of one row each (a Mamba layer's conv tail and SSM state)."""
-
-    state: tuple[mx.array, ...]
-
-
 @dataclass
 class StatePool:
     """The stacked states a batched step left (B rows each; `stacked` in the order of each session's holders'
-    states, [h0.state..., h1.state..., ...]) and the row views of them it handed its sessions.
+    states, [h0.state..., h1.state..., ...]), each session's holders holding their rows of them (`take_rows`).
 
-    While every session still holds exactly those views (a solo step or a close replaces them), the next batch
+    While every session still holds exactly those rows (a solo step or a close replaces them), the next batch
     of the same sessions takes the stacks as they are: no per-session concatenation of states each step. A
     batch of some of them (the others' frames not due yet) keeps the pool whole for the next batch of all: it
     steps over every row, the others' rows passed through unchanged, or takes its rows from the stacks and
@@ -759,17 +812,24 @@ class StatePool:
 
     sessions: tuple[Any, ...]
     keys: tuple[Hashable, ...]
-    holders: tuple[tuple[StateHolder, ...], ...]  # holders[b]: session b's
+    holders: tuple[tuple[PooledState, ...], ...]  # holders[b]: session b's
     stacked: list[mx.array]
-    rows: list[list[mx.array]] = field(default_factory=list)  # rows[b]: session b's views of `stacked`
 
     def holds(self, b: int) -> bool:
         """Whether session b's states are still this pool's rows."""
-        current = [a for holder in self.holders[b] for a in holder.state]
-        return len(current) == len(self.rows[b]) and all(x is y for x, y in zip(current, self.rows[b], strict=True))
+        first = 0
+        for holder in self.holders[b]:
+            if not holder.holds_rows(self.stacked, first, b):
+                return False
+            first += holder.width
+        return True
 
     def intact(self) -> bool:
         return all(self.holds(b) for b in range(len(self.keys)))
+
+    def views(self, b: int) -> list[mx.array]:
+        """Session b's states as its holders read them (views of its rows while it holds them)."""
+        return [a for holder in self.holders[b] for a in holder.state]
 
     def rows_of(self, keys: Sequence[Hashable]) -> list[int] | None:
         """Each key's row in the stacks, when every one is this pool's."""
@@ -779,20 +839,20 @@ class StatePool:
 
     def write_rows(self, rows: list[int], states: list[mx.array]) -> None:
         """Put a batch of some of the pool's sessions' new states (len(rows) rows each) into the stacks at `rows`,
-        and hand every session its views of the new stacks (the others' rows are as they were)."""
+        and hand every session its rows of the new stacks (the others' rows are as they were)."""
         at = mx.array(rows)
         for stack, new in zip(self.stacked, states, strict=True):
             stack[at] = new
         self.hand()
 
     def hand(self) -> None:
-        """Hand each session its row views of the stacks as its holders' states."""
-        b = len(self.keys)
-        self.rows = [list(r) for r in zip(*(mx.split(stack, b, axis=0) for stack in self.stacked), strict=True)]
-        for holders, own in zip(self.holders, self.rows, strict=True):
-            pending = iter(own)
+        """Give each session's holders their rows of the stacks, to be read as views when read at all (a batch
+        of the same sessions next reads none)."""
+        for b, holders in enumerate(self.holders):
+            first = 0
             for holder in holders:
-                holder.state = tuple(next(pending) for _ in holder.state)
+                holder.take_rows(self.stacked, first, b)
+                first += holder.width
 
     def detach(self, keep: set[Hashable]) -> list[mx.array]:
         """Give each session not in `keep` that still holds its rows its own copies (a view would keep every
@@ -840,7 +900,7 @@ class StatePools:
     least `masked_share` of a pool's sessions runs over all the pool's rows (the others' states passed through
     as they are); a smaller share takes its rows and writes them back."""
 
-    def __init__(self, key: Callable[[Any], Hashable], holders: Callable[[Any], Sequence[StateHolder]],
+    def __init__(self, key: Callable[[Any], Hashable], holders: Callable[[Any], Sequence[PooledState]],
                  masked_share: float):
         self.key, self.holders, self.masked_share = key, holders, masked_share
         self.pools: dict[tuple[Hashable, ...], StatePool] = {}

@@ -23,7 +23,6 @@ from services.common import layers, split_matmul
 from services.common.batching import raise_first
 from services.common.cache import (
     STACK_ALL,
-    FullCache,
     MambaCache,
     StatePools,
     context_bound,
@@ -456,7 +455,7 @@ class LanguageEngine:
     def _signature(session: LanguageSession) -> tuple:
         """The dtypes of every cached tensor: sessions batch together only when these agree (a bf16 prompt
         prefix keeps its attention caches in bf16, and its conv tails until the first f32 step)."""
-        return tuple(a.dtype for c in session.caches if c is not None for a in c.arrays())
+        return tuple(dtype for c in session.caches if c is not None for dtype in c.dtypes())
 
     @staticmethod
     def _rejects(session: LanguageSession, audio: mx.array, frame_index: int | None) -> bool:
@@ -492,7 +491,9 @@ class LanguageEngine:
         out, states = self.model.batched_step(prev_text, audio.reshape(b, 1, -1), prev_function, batch.states,
                                               [s.caches for s in members], heads, batch.active, self.stack_up_to)
         to_eval += [*self._pools.scatter(batch, states), *out]
-        to_eval += [a for s in sessions for c in s.caches if isinstance(c, FullCache) for a in c.arrays()]
+        written = {id(a): a for s in sessions for i in self.model.batched_step.attention_layers
+                   for a in s.caches[i].buffers()}  # a group's pair once, not a view per member
+        to_eval += written.values()
         for session in sessions:
             session.positions += 1
         return functools.partial(self._finish, steps, batch.rows, out) if heads else functools.partial(_fed, sessions)

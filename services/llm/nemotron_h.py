@@ -520,6 +520,11 @@ class BatchedStep(CachedStep):
         """Indices of the Mamba blocks: the order of the states `__call__` takes and returns."""
         return [i for i, block in enumerate(self.blocks) if block.kind == "M"]
 
+    @functools.cached_property
+    def attention_layers(self) -> list[int]:
+        """Indices of the attention blocks, whose caches a step writes in place."""
+        return [i for i, block in enumerate(self.blocks) if block.kind == "*"]
+
     def __call__(self, prev_text: mx.array, audio: mx.array, prev_function: mx.array, states: list[mx.array],
                  caches: list[list[LayerCache]], heads: bool = True, active: Sequence[int] | None = None,
                  stack_up_to: int = 0) -> tuple[tuple[mx.array, ...], list[mx.array]]:

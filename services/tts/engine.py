@@ -355,7 +355,7 @@ class TTSSession:
     @property
     def can_batch(self) -> bool:
         """Whether every cache exists (warm-up made them), so the step can join a batched forward."""
-        return all(cache.keys is not None for cache in self.caches)
+        return all(cache.buffers() for cache in self.caches)  # (`keys` would make a view of a group's rows)
 
     def step(self, text_id: int) -> tuple[np.ndarray, np.ndarray]:
         """One timeline position: text id in -> (raw codes, clean codes), each (Q,) int32."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from services.common.cache import RowSources, StatePools, group_by_signature
+from services.common.cache import PooledState, RowSources, StatePools, group_by_signature
 
 
 def test_row_sources_give_back_the_batched_array_a_view_or_one_take():
@@ -100,9 +100,8 @@ def test_rows_freed_on_other_threads_while_the_engine_thread_splits_gathers_and_
     assert not errors and not [w for w in watches if w() is not None]
 
 
-@dataclass
-class Holder:
-    state: tuple
+class Holder(PooledState):
+    width = 2
 
 
 @dataclass
@@ -171,6 +170,24 @@ def test_a_session_leaving_a_pool_gets_its_own_rows_and_closing_drops_it():
     pools.scatter(pools.gather(sessions[1:]), pools.gather(sessions[1:]).states)
     pools.drop(sessions[1].key)
     assert not pools
+
+
+def test_a_pool_hands_rows_that_are_read_only_when_needed_and_setting_a_state_leaves_it():
+    pools, sessions = _pools(), _sessions(3)
+    batch = pools.gather(sessions)
+    pools.scatter(batch, [a * 2 for a in batch.states])
+    (pool,) = pools.pools.values()
+    holder = sessions[1].holders[0]
+    assert holder._state is None  # handed as rows of the stacks: no view made for it yet
+    assert holder.dtypes() == (mx.float32, mx.float32) and holder._state is None  # read without views
+    assert _rows(sessions[1]) == [[2.0, 2.0], [22.0, 22.0, 22.0]]  # read: its row of each stack
+    assert pool.intact()  # reading changes nothing
+    pools.scatter(pools.gather(sessions[:2]), [a + 1 for a in pools.gather(sessions[:2]).states])
+    assert _rows(sessions[1]) == [[3.0, 3.0], [23.0, 23.0, 23.0]]  # the new stacks' rows, read anew
+    (pool,) = pools.pools.values()
+    holder.state = (mx.zeros((1, 2)), mx.zeros((1, 3)))  # a solo step's own arrays
+    assert not pool.holds(1) and pool.holds(0) and not pool.intact()
+    assert _rows(sessions[1]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
 def test_group_by_signature_keeps_groups_of_two_or_more_in_order():

@@ -267,7 +267,7 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
     assert all(a is b for a, b in zip(inputs[1], pool.stacked, strict=True))  # taken as they were
     (pool,) = engine._pools.pools.values()
     assert pool.intact() and pool.sessions == tuple(sessions)
-    views = [np.array(a) for a in pool.rows[2]]
+    views = [np.array(a) for a in pool.views(2)]
     stacked = pool.stacked
     engine.step_batch([(s, rows[2], False, None) for s in sessions[:2]])  # the third sits this frame out
     if share == 1.0:
@@ -278,7 +278,7 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
         assert all(a is b for a, b in zip(inputs[2], stacked, strict=True))  # all three rows, as they were
         (pool,) = engine._pools.pools.values()
     assert pool.intact() and pool.sessions == tuple(sessions)
-    assert all(np.array_equal(a, b) for a, b in zip(pool.rows[2], views, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(pool.views(2), views, strict=True))
     assert sessions[2].positions == sessions[0].positions - 1
     out = engine.step_batch([(sessions[0], rows[3], True, 3), (sessions[1], rows[3], True, 3),
                              (sessions[2], rows[2], True, 2)])  # all three again: the pool as it is
@@ -290,7 +290,7 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
     # A batch of one of them with a session from outside: the pool goes, the two left behind own their rows.
     outsider = _open(engine, 0)
     (pool,) = engine._pools.pools.values()
-    own_before = [[np.array(a) for a in pool.rows[b]] for b in (1, 2)]
+    own_before = [[np.array(a) for a in pool.views(b)] for b in (1, 2)]
     engine.step_batch([(sessions[0], rows[0], False, None), (outsider, rows[0], False, None)])
     assert all(p.sessions != tuple(sessions) for p in engine._pools.pools.values())
     for b, before in zip((1, 2), own_before, strict=True):
