@@ -82,6 +82,7 @@ class LanguageSession:
     prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
     forced_function: int | None = None  # the next step's function token in place of the head's pick (force_function)
+    _dtypes: tuple | None = field(default=None, repr=False)  # ((positions, prompt_positions), cache_dtypes()) read then
 
     def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array, mx.array] | None:
         """audio: (1, 1, D) -> both heads' logits at this position, (vocab,) each, and the greedy ids (2,),
@@ -171,8 +172,18 @@ class LanguageSession:
             state["history"] = mx.concatenate(self.history, axis=1)  # (1, positions, D)
         return state
 
+    def cache_dtypes(self) -> tuple:
+        """The dtypes of every cached tensor (a bf16 prompt prefix keeps its attention caches in bf16, and its conv
+        tails until the first f32 step). Read once per state: the caches change only when a position is fed,
+        which moves the counters, or by `restore`, which forgets what was read."""
+        at = (self.positions, self.prompt_positions)
+        if self._dtypes is None or self._dtypes[0] != at:
+            self._dtypes = at, tuple(dtype for c in self.caches if c is not None for dtype in c.dtypes())
+        return self._dtypes[1]
+
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` holds (a fresh session opened with the same prompt, its rows not fed)."""
+        self._dtypes = None
         prompt = 0 if self.prompt_embeds is None else self.prompt_embeds.shape[0]
         if snapshot.int("prompt_positions") != prompt:
             raise ValueError(f"the snapshot's session had a prompt of {snapshot.int('prompt_positions')} positions, "
@@ -406,7 +417,7 @@ class LanguageEngine:
             session, audio, _, frame_index = step
             if len(steps) == 1 or not self._batchable(session) or self._rejects(session, audio, frame_index):
                 return None  # alone: a bad entry's step raises there, touching nothing
-            return self._signature(session)
+            return session.cache_dtypes()  # sessions batch together only when these agree
 
         batched, solo = group_by_signature(steps, signature, lambda step: step[0].session_id)
         results: list[StepOutput | Exception | None] = [None] * len(steps)
@@ -436,7 +447,7 @@ class LanguageEngine:
         def signature(session: LanguageSession) -> tuple | None:
             if len(sessions) == 1 or not self._batchable(session) or not session.prompt_pending:
                 return None
-            return self._signature(session), session.prompt_embeds.dtype
+            return session.cache_dtypes(), session.prompt_embeds.dtype
 
         batched, solo = group_by_signature(sessions, signature, lambda s: s.session_id)
         for i in solo:
@@ -450,12 +461,6 @@ class LanguageEngine:
     def _batchable(self, session: LanguageSession) -> bool:
         return (session.model is self.model and not session.closed and not session.full_history
                 and session.positions > 0)
-
-    @staticmethod
-    def _signature(session: LanguageSession) -> tuple:
-        """The dtypes of every cached tensor: sessions batch together only when these agree (a bf16 prompt
-        prefix keeps its attention caches in bf16, and its conv tails until the first f32 step)."""
-        return tuple(dtype for c in session.caches if c is not None for dtype in c.dtypes())
 
     @staticmethod
     def _rejects(session: LanguageSession, audio: mx.array, frame_index: int | None) -> bool:

@@ -526,3 +526,44 @@ def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_not
     assert len(live) >= 4  # the schedule did reach batches of several sessions
     for session in live:
         engine.close_session(session)
+
+
+def _dtypes_now(session):
+    return tuple(dtype for c in session.caches if c is not None for dtype in c.dtypes())
+
+
+def test_a_sessions_cache_dtypes_follow_its_state_through_prompt_rows_steps_and_a_restore(engines, embeds):
+    """The dtypes a batch groups by are read once per state; after every prompt row (alone or batched), every step
+    (alone or batched) and a restore they are what the caches hold then: a bf16 prefix's conv tails turn float32
+    at its first step, its attention caches stay bf16."""
+    from tests.unit.test_snapshots import crossed
+
+    engine = engines["4bit-as-bf16"]
+    ids = [1, 17, 42, 2]
+    bf16, f32 = (engine.open_session(prompt_token_ids=ids, prefix_dtype=d, prefill=False)
+                 for d in ("bfloat16", "float32"))
+    seen = []
+    bf16.feed_prompt_row()
+    f32.feed_prompt_row()
+    while bf16.prompt_pending:
+        assert engine.prefill_batch([bf16, f32]) == [None, None]
+        for s in (bf16, f32):
+            assert s.cache_dtypes() == _dtypes_now(s)
+        seen.append(bf16.cache_dtypes())
+    for t, row in enumerate(_inputs(embeds, 0, 3)):
+        if t == 0:
+            bf16.step(row, frame_index=0)
+            f32.step(row, frame_index=0)
+        else:
+            engine.step_batch([(s, row, False, t) for s in (bf16, f32)])
+        for s in (bf16, f32):
+            assert s.cache_dtypes() == _dtypes_now(s)
+        seen.append(bf16.cache_dtypes())
+    assert seen[0] != seen[-1] and mx.bfloat16 in seen[-1] and mx.float32 in seen[-1]
+    assert bf16.cache_dtypes() != f32.cache_dtypes()
+    # a restore at the same counters: the dtypes read before it are forgotten
+    bf16.restore(crossed(f32))
+    assert (bf16.positions, bf16.prompt_positions) == (f32.positions, f32.prompt_positions)
+    assert bf16.cache_dtypes() == _dtypes_now(bf16) == f32.cache_dtypes()
+    for s in (bf16, f32):
+        engine.close_session(s)
