@@ -181,6 +181,14 @@ class LanguageSession:
             self._dtypes = at, tuple(dtype for c in self.caches if c is not None for dtype in c.dtypes())
         return self._dtypes[1]
 
+    @staticmethod
+    def share_dtypes(sessions: Sequence[LanguageSession]) -> None:
+        """After a batched position, its counters moved: every member's new state is rows of the same batched
+        arrays (written into buffers of the dtypes the group agreed on), so one member's read serves them all."""
+        dtypes = sessions[0].cache_dtypes()
+        for session in sessions[1:]:
+            session._dtypes = (session.positions, session.prompt_positions), dtypes
+
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` holds (a fresh session opened with the same prompt, its rows not fed)."""
         self._dtypes = None
@@ -514,6 +522,7 @@ class LanguageEngine:
             session.frames += 1
             logits = (text_logits[row, -1], function_logits[row, -1]) if return_logits else ()
             outputs.append(StepOutput(text_id, session.prev_function, *logits))
+        LanguageSession.share_dtypes([step[0] for step in steps])
         return outputs
 
 
@@ -521,4 +530,5 @@ def _fed(sessions: list[LanguageSession]) -> list[None]:
     """After evaluation of a batch of prompt rows: each counted as fed."""
     for session in sessions:
         session.prompt_positions += 1
+    LanguageSession.share_dtypes(sessions)
     return [None] * len(sessions)
