@@ -262,13 +262,14 @@ class GroupedCache(abc.ABC):
         """The slots its last n single keys went to (n below what it holds; its layout unchanged meanwhile)."""
 
     def copy(self) -> GroupedCache:
-        """A cache holding what this one holds, its counters and keys, in array objects of its own: a write of
-        either (in place, by slice) leaves the other as it is. Copies a template that never steps in a group."""
-        if self.group is not None:
-            raise ValueError("a cache stepping in a group has no arrays of its own to copy")
+        """A cache holding what this one holds, its counters and keys, in array objects of its own (a group
+        member's rows read out, the member left in its group): a write of either (in place, by slice) leaves the
+        other as it is."""
+        keys, values = self.keys, self.values
         other = copy.copy(self)
-        if self._keys is not None:
-            other._keys, other._values = mx.array(self._keys), mx.array(self._values)
+        other.group, other._row, other._capacity = None, 0, 0
+        if keys is not None:
+            other._keys, other._values = mx.array(keys), mx.array(values)
         return other
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -671,6 +672,12 @@ class PooledState:
         """Whether its state is still those rows (read or not), nothing having set it since."""
         rows = self._rows
         return rows is not None and rows[0] is stacks and rows[1] == first and rows[2] == row
+
+    def copy(self) -> PooledState:
+        """A state holding what this one holds in array objects of its own, outside any pool."""
+        other = copy.copy(self)
+        other.state = tuple(None if a is None else mx.array(a) for a in self.state)
+        return other
 
     def dtypes(self) -> tuple[Any, ...]:
         """Its arrays' dtypes, without reading held rows."""

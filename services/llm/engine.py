@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from tokenizers import Tokenizer
 
+from services.common import cache as cache_layout
 from services.common import layers, split_matmul
 from services.common.batching import raise_first
 from services.common.cache import (
@@ -32,6 +33,7 @@ from services.common.cache import (
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
 from services.common.errors import LimitExceeded
+from services.common.kept import kept
 from services.common.layers import Linear, widen
 from services.common.loading import AS_STORED, DEFAULT_MAX_CONTEXT, LoadOptions
 from services.common.snapshot import Marks, Snapshot, State, items
@@ -53,6 +55,9 @@ PREFIX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 # (on an H200, 15 of 16 sessions took 54.8 ms a step that way against 36.4 ms for all 16). A smaller share takes
 # its rows, so that a step of two of sixteen costs a step of two.
 MASKED_SHARE = 0.5
+# Sessions opening with a prompt seen lately take copies of the caches it left (`LanguageEngine.prompted`): the
+# last this many prompts' (on the full model about 140 MB each, nearly all of it the Mamba states).
+PROMPTS_KEPT = 4
 
 
 @dataclass
@@ -82,6 +87,7 @@ class LanguageSession:
     prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
     forced_function: int | None = None  # the next step's function token in place of the head's pick (force_function)
+    prompt_key: tuple | None = None  # what its prompt's caches follow (`LanguageEngine.prompted`); None: none kept
     _dtypes: tuple | None = field(default=None, repr=False)  # ((positions, prompt_positions), cache_dtypes()) read then
 
     def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array, mx.array] | None:
@@ -245,6 +251,9 @@ class LanguageEngine:
         # attention caches of at most this many keys are stacked into groups in a batched step: on a GPU all of
         # them (the group saves every session's own write and attention), on the CPU none (reads in place)
         self.stack_up_to = stack_limit(STACK_ALL)
+        # the caches the latest prompts left, by `LanguageSession.prompt_key`; 0 keeps none
+        self.prompts_kept = PROMPTS_KEPT
+        self._prompted: dict[tuple, list[LayerCache]] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
@@ -325,8 +334,14 @@ class LanguageEngine:
             session.caches = self.model.make_caches(context_bound(len(ids), self.max_context))
         if ids:
             rows = self.model.embed_tokens(mx.array(ids, dtype=mx.int32)).astype(PREFIX_DTYPES[prefix_dtype])
-            if restore is None and (prefill or full_history):
+            if not full_history and restore is None and self.prompts_kept:
+                # what the caches' contents and sizes follow
+                session.prompt_key = (tuple(ids), prefix_dtype, self.max_context, cache_layout.GROW)
+            if self._take_prompted(session, rows):
+                pass  # fed already
+            elif restore is None and (prefill or full_history):
                 session.prefill(rows)
+                self._keep_prompted(session)
             else:
                 session.prompt_embeds = rows
                 mx.eval(rows)
@@ -334,6 +349,33 @@ class LanguageEngine:
             session.restore(restore)
         self._sessions[session.session_id] = session
         return session
+
+    def _take_prompted(self, session: LanguageSession, rows: mx.array) -> bool:
+        """Give an opening session copies of the caches its prompt left in an earlier session, when they are
+        kept: its prompt counts as fed. A prompt's rows draw no random numbers and see nothing of the session, so
+        these are the bits feeding them would give (fed the way that earlier session's were)."""
+        template = self._prompted.get(session.prompt_key) if session.prompt_key is not None else None
+        if template is None:
+            return False
+        kept(self._prompted, session.prompt_key, lambda: template, self.prompts_kept)  # now the most recent
+        session.caches = [None if c is None else c.copy() for c in template]
+        session.positions = session.prompt_positions = rows.shape[0]
+        session.prompt_embeds = rows
+        mx.eval(rows)
+        return True
+
+    def _keep_prompted(self, session: LanguageSession) -> None:
+        """Keep copies of the caches a session's whole prompt left, before its first step, for the next
+        sessions opening with that prompt (`_take_prompted`); the template itself never steps."""
+        if session.prompt_key is None or session.prompt_pending or session.frames:
+            return
+
+        def template() -> list[LayerCache]:
+            caches = [None if c is None else c.copy() for c in session.caches]
+            mx.eval([a for c in caches if c is not None for a in c.arrays()])
+            return caches
+
+        kept(self._prompted, session.prompt_key, template, self.prompts_kept)
 
     def close_session(self, session: LanguageSession) -> None:
         """Free the session's caches; closing twice is a no-op."""
@@ -355,9 +397,10 @@ class LanguageEngine:
         from 2 up a first step of sessions fresh from their prompts (whose states still hold the prompt rows'
         dtype: sessions opening together take their first step so), so the compiled pieces of each size are
         traced (and, on a GPU, their kernels built) before a client's frame waits for them. Leaves no session
-        open."""
+        open, and no prompt's caches kept (each of its sessions feeds its own prompt)."""
         rows = min((steps + 1) * max_batch + 2, self.max_prompt_tokens)
         prompt = [self.model.bos_id, *[self.model.eos_id] * (rows - 1)]
+        prompts_kept, self.prompts_kept = self.prompts_kept, 0
         sessions = [self.open_session(prompt_token_ids=prompt, prefix_dtype="bfloat16", prefill=False)
                     for _ in range(max_batch)]
         try:
@@ -372,6 +415,7 @@ class LanguageEngine:
                 for session in fresh:
                     self.close_session(session)
         finally:
+            self.prompts_kept = prompts_kept
             for session in sessions:
                 self.close_session(session)
 
@@ -464,6 +508,9 @@ class LanguageEngine:
         rows = [[(s, s.prompt_embeds[s.prompt_positions], False, None) for s in (sessions[i] for i in members)]
                 for members in batched]
         self._run_groups(rows, heads=False)
+        for session, result in zip(sessions, results, strict=True):
+            if result is None:
+                self._keep_prompted(session)
         return results
 
     def _batchable(self, session: LanguageSession) -> bool:

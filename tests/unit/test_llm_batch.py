@@ -7,11 +7,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.common.cache import STACK_ALL
 from services.common.errors import LimitExceeded
 from services.common.loading import LoadOptions
 from services.llm.engine import LanguageEngine
 from services.llm.nemotron_h import BatchedStep
 from tests.conftest import GOLDEN
+from tests.unit.test_snapshots import crossed
 
 # On CPU the batched matmuls have so far given the very bits of the solo ones (max |diff| 0.0); other devices
 # may round a matmul over B rows differently, which this bound allows.
@@ -303,8 +305,10 @@ def test_a_steady_batch_reuses_its_stacked_states_some_keep_them_and_a_leaver_ge
 
 
 @pytest.mark.parametrize("kind", ["dense", "4bit-as-bf16"])
-def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, embeds, batch_sizes, kind):
+def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, embeds, batch_sizes, kind,
+                                                                        monkeypatch):
     engine = engines[kind]
+    monkeypatch.setattr(engine, "prompts_kept", 0)  # every session feeds its own prompt
     opens = [
         {"prompt_token_ids": [1, 17, 42, 99, 2], "prefix_dtype": "bfloat16"},
         {"prompt_token_ids": [1, 5, 6, 2], "prefix_dtype": "bfloat16"},
@@ -532,13 +536,13 @@ def _dtypes_now(session):
     return tuple(dtype for c in session.caches if c is not None for dtype in c.dtypes())
 
 
-def test_a_sessions_cache_dtypes_follow_its_state_through_prompt_rows_steps_and_a_restore(engines, embeds):
+def test_a_sessions_cache_dtypes_follow_its_state_through_prompt_rows_steps_and_a_restore(engines, embeds,
+                                                                                          monkeypatch):
     """The dtypes a batch groups by are read once per state; after every prompt row (alone or batched), every step
     (alone or batched) and a restore they are what the caches hold then: a bf16 prefix's conv tails turn float32
     at its first step, its attention caches stay bf16."""
-    from tests.unit.test_snapshots import crossed
-
     engine = engines["4bit-as-bf16"]
+    monkeypatch.setattr(engine, "prompts_kept", 0)  # both feed their prompts
     ids = [1, 17, 42, 2]
     bf16, f32 = (engine.open_session(prompt_token_ids=ids, prefix_dtype=d, prefill=False)
                  for d in ("bfloat16", "float32"))
@@ -566,4 +570,64 @@ def test_a_sessions_cache_dtypes_follow_its_state_through_prompt_rows_steps_and_
     assert (bf16.positions, bf16.prompt_positions) == (f32.positions, f32.prompt_positions)
     assert bf16.cache_dtypes() == _dtypes_now(bf16) == f32.cache_dtypes()
     for s in (bf16, f32):
+        engine.close_session(s)
+
+
+def _fed_alone(engine, spec, rows):
+    """A session that feeds its own prompt, then steps `rows`: its outputs and state."""
+    kept, engine.prompts_kept = engine.prompts_kept, 0
+    try:
+        session = engine.open_session(**spec, prefill=False)
+    finally:
+        engine.prompts_kept = kept
+    while session.prompt_pending:
+        assert engine.prefill_batch([session]) == [None]
+    outputs = [session.step(row, return_logits=True, frame_index=t) for t, row in enumerate(rows)]
+    state = _state(session), session.cache_dtypes()
+    engine.close_session(session)
+    return outputs, state
+
+
+@pytest.mark.parametrize("stack", [0, STACK_ALL], ids=["own-attention", "grouped-attention"])
+@pytest.mark.parametrize("kind", ["dense", "4bit-as-bf16"])
+def test_a_session_opening_with_a_kept_prompt_feeds_nothing_and_steps_as_one_that_fed_it(
+        tiny_checkpoint, tiny4_checkpoint, embeds, monkeypatch, kind, stack):
+    """The first sessions of a prompt feed it (here batched, their caches grouped with STACK_ALL); the caches it
+    left are kept, and a session opening later with that prompt takes copies: nothing fed, no forward run, and
+    its steps and state are bit for bit those of a session that fed the prompt itself, however the first
+    sessions stepped meanwhile. Another prefix dtype or prompt feeds its own; so does a restore."""
+    engine = (LanguageEngine.load(tiny_checkpoint, max_prompt_tokens=32) if kind == "dense" else
+              LanguageEngine.load(tiny4_checkpoint, max_prompt_tokens=32, options=LoadOptions("bfloat16")))
+    engine.stack_up_to = stack
+    spec = {"prompt_token_ids": [1, 17, 42, 99, 2], "prefix_dtype": "bfloat16"}
+    rows = _inputs(embeds, 0, 4)
+    want_outputs, want_state = _fed_alone(engine, spec, rows)
+    first = [engine.open_session(**spec, prefill=False) for _ in range(3)]
+    assert [s.prompt_pending for s in first] == [5, 5, 5]  # none kept yet
+    while first[0].prompt_pending:
+        assert engine.prefill_batch(first) == [None] * 3
+    for t, row in enumerate(_inputs(embeds, 1, 3)):  # the first sessions step on, in their groups
+        engine.step_batch([(s, row, False, t) for s in first])
+
+    runs = []
+    monkeypatch.setattr(BatchedStep, "__call__", lambda *a, **k: runs.append("batched"))
+    backbone = type(engine.model.backbone).__call__
+    monkeypatch.setattr(type(engine.model.backbone), "__call__",
+                        lambda *a, **k: runs.append("solo") or backbone(*a, **k))
+    later = engine.open_session(**spec, prefill=False)
+    assert (later.prompt_pending, later.positions, later.prompt_positions, runs) == (0, 5, 5, [])
+    monkeypatch.undo()
+    assert engine.prefill_batch([later]) != [None]  # nothing to feed
+    got = [later.step(row, return_logits=True, frame_index=t) for t, row in enumerate(rows)]
+    assert [(o.text_id, o.function_id) for o in got] == [(o.text_id, o.function_id) for o in want_outputs]
+    assert max(_max_diff(a, b) for a, b in zip(got, want_outputs, strict=True)) == 0.0
+    assert _same_state(_state(later), want_state[0]) and later.cache_dtypes() == want_state[1]
+    # a second session from the same kept caches: `later`'s steps wrote its own copies only
+    again = engine.open_session(**spec)
+    assert again.prompt_pending == 0
+    assert [again.step(row, frame_index=t).text_id for t, row in enumerate(rows)] == [o.text_id for o in got]
+    other = engine.open_session(**{**spec, "prefix_dtype": "float32"}, prefill=False)
+    restored = engine.open_session(**spec, restore=crossed(first[0]))
+    assert other.prompt_pending == 5 and restored.positions == first[0].positions == 8
+    for s in [*first, later, again, other, restored]:
         engine.close_session(s)
