@@ -78,6 +78,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "question.wav"
 class Conversation:
     samples: np.ndarray  # float32, 16 kHz
     seed: int
+    system_prompt: str = ""  # empty: the checkpoint's default
 
     def pcm16(self) -> bytes:
         """The samples as the PCM16 the server decodes by / 32768 (the input file's own values)."""
@@ -116,12 +117,14 @@ class Outcome:
         self.arrivals.append(now)
 
 
-def conversations(samples: np.ndarray, count: int, seconds: float) -> list[Conversation]:
-    """`count` conversations of `seconds` each: the input looped, each from its own offset, with its own seed."""
+def conversations(samples: np.ndarray, count: int, seconds: float, system_prompt: str = "") -> list[Conversation]:
+    """`count` conversations of `seconds` each: the input looped, each from its own offset, with its own seed,
+    all opened with `system_prompt`."""
     length = int(round(seconds * 16_000))
     reps = math.ceil((length + FRAME * 3 * count) / max(len(samples), 1))
     looped = np.tile(samples.astype(np.float32), reps)
-    return [Conversation(looped[FRAME * 3 * k : FRAME * 3 * k + length].copy(), seed=k) for k in range(count)]
+    return [Conversation(looped[FRAME * 3 * k : FRAME * 3 * k + length].copy(), seed=k, system_prompt=system_prompt)
+            for k in range(count)]
 
 
 def intervals_ms(arrivals: list[list[float]], settle_frames: int = 0) -> list[float]:
@@ -162,7 +165,8 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
     ready = asyncio.Event()
 
     async def requests():
-        yield pb.ConverseRequest(configure=pb.Configure(seed=conversation.seed))
+        yield pb.ConverseRequest(configure=pb.Configure(seed=conversation.seed,
+                                                        system_prompt=conversation.system_prompt))
         await ready.wait()  # as over the WebSocket, audio starts once the session is open
         async for chunk in _paced(conversation.pcm16(), pace, duration_s, outcome):
             yield pb.ConverseRequest(audio=pb.AudioIn(pcm16=chunk))
@@ -208,7 +212,8 @@ async def realtime_conversation(url: str, conversation: Conversation, *, pace: s
         # no client pings: a server with a backlog of appends reads them late (it pings us instead)
         async with connect(url, max_size=None, compression=None, ping_interval=None) as socket:
             await _expect(socket, "session.created", outcome)
-            await socket.send(json.dumps({"type": "session.update", "session": {"seed": conversation.seed}}))
+            session = {"seed": conversation.seed, "system_prompt": conversation.system_prompt or None}
+            await socket.send(json.dumps({"type": "session.update", "session": session}))
             if not await _expect(socket, "session.updated", outcome):
                 return outcome
 
@@ -479,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, help="no audio is sent after this (default 120 s)")
     parser.add_argument("--pace", choices=["live", "burst"], default="live", help="live microphone or all at once")
     parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
+    parser.add_argument("--system-prompt", default="", metavar="TEXT",
+                        help="every conversation's system prompt (default the checkpoint's)")
     parser.add_argument("--settle-seconds", type=float, default=0.0,
                         help="leave each conversation's first S seconds of frames out of the interval percentiles "
                              "and the jitter (its opening: the prompt, the first frames of every conversation "
@@ -511,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if start_one and args.model is None:
         parser.error("give --model (an orchestrator is started) or --address/--realtime of a running one")
     speech = read_audio(args.input)
-    talks = conversations(speech, args.grpc + args.ws, args.seconds)
+    talks = conversations(speech, args.grpc + args.ws, args.seconds, args.system_prompt)
 
     def run(address, url, pids: list[int]) -> LoadReport:
         before = processes_cpu(pids)

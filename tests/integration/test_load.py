@@ -26,7 +26,10 @@ def speech():
 
 
 def test_eight_concurrent_conversations_lose_nothing_and_equal_their_solo_runs(tiny_checkpoint, speech, capsys):
-    talks = conversations(speech, 4, SECONDS)
+    """With a system prompt: the first solo run feeds it, every later conversation opens on the caches it left,
+    over gRPC and the WebSocket alike, and each gets what its solo run got."""
+    talks = conversations(speech, 4, SECONDS, system_prompt="Be concise and answer in one sentence.")
+    assert {talk.system_prompt for talk in talks} == {"Be concise and answer in one sentence."}
     with orchestrator(tiny_checkpoint, 4) as (address, url):
         solo = [asyncio.run(run_load(grpc_address=address, realtime_url=None, grpc_conversations=[talk],
                                      ws_conversations=[], pace="burst")).outcomes[0] for talk in talks]
