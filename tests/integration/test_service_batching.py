@@ -206,7 +206,8 @@ def test_bad_batching_flags_are_usage_errors(tiny_checkpoint, capsys):
 def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_checkpoint):
     """Language prompts and speech prefixes are fed a row (a pad step) per batch, with whatever else is due:
     three sessions opening at once share those batches, and each gets what it gets opening alone (its open
-    reply and its first steps' replies, byte for byte)."""
+    reply and its first steps' replies, byte for byte). With the language model's prompts kept (its default),
+    the sessions opening after the first of each prompt feed nothing and get the same replies."""
     from protos.voicechat.v1 import language_pb2, language_pb2_grpc, speech_pb2, speech_pb2_grpc
     from services.common.tensors import to_proto_np
 
@@ -222,7 +223,7 @@ def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_che
                 servicer.metrics.value("voicechat_batch_size_sum") or 0)
 
     async def opened_replies(stub_type, method, opens, servicer, together, load):
-        """Every reply, and the mean batch size while the sessions opened."""
+        """Every reply, and the mean batch size while the sessions opened (None: no batch ran)."""
         before = batches(servicer)
         async with grpc.aio.insecure_channel(address) as channel:
             calls = [getattr(stub_type(channel), method)() for _ in opens]
@@ -244,12 +245,14 @@ def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_che
                     await call.write(load.frame(index, rng))
                     replies.append((await call.read()).SerializeToString(deterministic=True))
                 await call.done_writing()
-        return (after[1] - before[1]) / (after[0] - before[0])
+        return (after[1] - before[1]) / (after[0] - before[0]) if after[0] != before[0] else None
 
-    async def scenario(name, stub_type, method, make_opens):
+    async def scenario(name, stub_type, method, make_opens, prompts_kept=True):
         nonlocal address, replies
         out = {}
         async with served(name, tiny_checkpoint) as (address, servicer):
+            if not prompts_kept:
+                servicer.engine.prompts_kept = 0
             opens = make_opens(servicer)
             load = workload(name, config, servicer.engine.prompt_frames if name == "tts" else 0)
             for together in (False, True):
@@ -260,9 +263,13 @@ def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_che
 
     address, replies = "", []
     llm = asyncio.run(scenario("llm", language_pb2_grpc.LanguageServiceStub, "Stream",
-                               lambda servicer: [llm_open(ids) for ids in prompts]))
+                               lambda servicer: [llm_open(ids) for ids in prompts], prompts_kept=False))
     assert llm[True][0] == llm[False][0]  # the same open replies (prompt rows, positions) and first steps
     assert llm[False][1] == 1.0 and llm[True][1] > 1.5  # alone: one row per batch; together: shared batches
+    kept = asyncio.run(scenario("llm", language_pb2_grpc.LanguageServiceStub, "Stream",
+                                lambda servicer: [llm_open(ids) for ids in prompts]))
+    assert kept[False][0] == kept[True][0] == llm[False][0]
+    assert kept[False][1] == 1.0 and kept[True][1] is None  # the second opening of each prompt fed nothing
 
     def speech_opens(servicer):
         prompt = np.zeros((servicer.engine.prompt_frames, config.tts_config.num_quantizers), np.int32)
