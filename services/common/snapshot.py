@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from protos.voicechat.v1 import snapshot_pb2, tensor_pb2
-from services.common.tensors import from_proto, from_proto_np, wire_array, wire_view
+from services.common.tensors import mlx_from_wire, numpy_from_wire, wire_array, wire_view
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -235,7 +235,7 @@ class Snapshot:
     """A snapshot's values by name: `array` (an MLX array, on the engine thread), `int`, `ints`, `text`; a
     missing or malformed value is a ValueError naming it. `scope("caches.3")` reads the names under a prefix."""
 
-    def __init__(self, values: dict[str, tensor_pb2.Tensor | str], prefix: str = ""):
+    def __init__(self, values: dict[str, Raw | str], prefix: str = ""):
         self._values, self._prefix = values, prefix
 
     @classmethod
@@ -245,9 +245,7 @@ class Snapshot:
         values, _, base = joined(parts)
         if base or any(value.slice is not None for value in values):
             raise ValueError("a restore takes a whole snapshot, not a delta: send the merged state (its `Held`)")
-        by_name = {value.name: value.value if isinstance(value.value, str) else
-                   tensor_pb2.Tensor(shape=value.value.shape, dtype=value.value.dtype, data=value.value.data)
-                   for value in values}
+        by_name = {value.name: value.value for value in values}  # the joined bytes, read in place by `array`
         if len(by_name) != len(values):
             raise ValueError("a snapshot names each value once")
         return cls(by_name)
@@ -267,10 +265,10 @@ class Snapshot:
 
     def array(self, name: str) -> mx.array:
         """The MLX array, in its own dtype and bits (call on the engine thread)."""
-        return from_proto(self._get(name, tensor_pb2.Tensor))
+        return mlx_from_wire(*self._get(name, Raw))
 
     def numpy(self, name: str) -> np.ndarray:
-        return from_proto_np(self._get(name, tensor_pb2.Tensor))
+        return numpy_from_wire(*self._get(name, Raw))
 
     def int(self, name: str) -> int:
         value = self.numpy(name)

@@ -127,25 +127,20 @@ def from_proto_np(tensor: Tensor, *, bfloat16: str = "float32") -> np.ndarray:
     bfloat16 has no numpy dtype: `bfloat16="float32"` widens it exactly to float32, `"bits"` returns the
     uint16 bit patterns.
     """
-    bits = _payload(tensor)
-    if tensor.dtype != tensor_pb2.DTYPE_BFLOAT16:
+    return numpy_from_wire(tensor.shape, tensor.dtype, tensor.data, bfloat16=bfloat16)
+
+
+def numpy_from_wire(shape, dtype: int, data: bytes, *, bfloat16: str = "float32") -> np.ndarray:
+    """`from_proto_np` of a payload given as its parts (a message's or a snapshot's joined pieces)."""
+    view = wire_view(shape, dtype, data)
+    bits = view.astype(view.dtype.newbyteorder("="), copy=True)
+    if dtype != tensor_pb2.DTYPE_BFLOAT16:
         return bits
     if bfloat16 == "bits":
         return bits
     if bfloat16 == "float32":
         return (bits.astype(np.uint32) << 16).view(np.float32)
     raise ValueError(f"bfloat16 must be 'float32' or 'bits', got {bfloat16!r}")
-
-
-def _payload(tensor: Tensor) -> np.ndarray:
-    """Validated payload as a writable native-order array of the storage dtype."""
-    storage, flat = _view(tensor)
-    return flat.astype(storage.newbyteorder("="), copy=True)
-
-
-def _view(tensor: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(storage dtype, validated payload shaped as the tensor): a read-only view of the message's bytes."""
-    return _storage(tensor.dtype), wire_view(tensor.shape, tensor.dtype, tensor.data)
 
 
 def wire_view(shape, dtype: int, data: bytes) -> np.ndarray:
@@ -179,14 +174,20 @@ def to_proto(array: mx.array | np.ndarray) -> Tensor:
 def from_proto(tensor: Tensor) -> mx.array:
     """A Tensor as an MLX array of the same dtype and bits; ValueError for a dimension MLX cannot hold (an
     empty tensor's payload agrees with any other dimension)."""
+    return mlx_from_wire(tensor.shape, tensor.dtype, tensor.data)
+
+
+def mlx_from_wire(shape, dtype: int, data: bytes) -> mx.array:
+    """`from_proto` of a payload given as its parts (a message's or a snapshot's joined pieces)."""
     import mlx.core as mx
 
-    storage, bits = _view(tensor)
+    bits = wire_view(shape, dtype, data)
+    storage = bits.dtype
     if bits.shape and max(bits.shape) > MLX_MAX_DIM:
         raise ValueError(f"tensor shape {list(bits.shape)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
                          "array can hold")
     if not storage.isnative:
         bits = bits.astype(storage.newbyteorder("="))
-    if tensor.dtype == tensor_pb2.DTYPE_BFLOAT16:
+    if dtype == tensor_pb2.DTYPE_BFLOAT16:
         return mx.array(bits).view(mx.bfloat16)
     return mx.array(bits)  # a copy: the array does not hold on to the message's bytes
