@@ -7,7 +7,7 @@ import argparse
 from services.common.batching import BatchOptions
 from services.common.cli import ServiceSpec, add_max_context_flag, add_split_matmuls_flag, exit_process, run_service
 from services.common.loading import LoadOptions
-from services.llm.engine import MAX_PROMPT_TOKENS
+from services.llm.engine import MAX_PROMPT_TOKENS, PROMPTS_KEPT
 from services.llm.service import build_spec
 
 
@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "--weights-dtype bfloat16: twice their memory) or the quantized layers' scales and biases (stored: "
              "about 1/16 byte more a parameter); identical outputs, fewer conversions per frame",
     )
+    parser.add_argument(
+        "--prompts-kept", type=int, default=PROMPTS_KEPT,
+        help=f"keep the caches of the last N distinct prompts, so later sessions opening with one feed nothing "
+             f"(default {PROMPTS_KEPT}; about 140 MB each on the full model; 0: every session feeds its own)",
+    )
     add_split_matmuls_flag(parser, " (--weights-dtype bfloat16)")
     add_max_context_flag(parser, "the attention layers")
 
@@ -34,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> ServiceSpec:
     if args.max_prompt_tokens <= 0:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: must be positive")
-    return build_spec(args.model, args.max_prompt_tokens, BatchOptions.from_args(args), LoadOptions.from_args(args))
+    if args.prompts_kept < 0:
+        raise ValueError(f"--prompts-kept {args.prompts_kept}: must be 0 (keep none) or more")
+    return build_spec(args.model, args.max_prompt_tokens, BatchOptions.from_args(args), LoadOptions.from_args(args),
+                      args.prompts_kept)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.snapshot import Marks, Snapshot, flattened, restoring, snapshot_answers, take_snapshot
 from services.common.tensors import from_proto, to_proto
-from services.llm.engine import MAX_PROMPT_TOKENS, LanguageEngine, LanguageSession, StepOutput
+from services.llm.engine import MAX_PROMPT_TOKENS, PROMPTS_KEPT, LanguageEngine, LanguageSession, StepOutput
 
 SERVICE_NAME = full_service_name(language_pb2, "LanguageService")
 # How each stream's prompt prefix enters the model (LanguageOpen.prefix_precision): cast to float32 as in the
@@ -64,9 +64,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         return self._engine
 
     async def load(self, model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-                   options: LoadOptions = AS_STORED) -> None:
-        """Load the checkpoint's language tensors and tokenizer on the engine thread."""
+                   options: LoadOptions = AS_STORED, prompts_kept: int = PROMPTS_KEPT) -> None:
+        """Load the checkpoint's language tensors and tokenizer on the engine thread; the engine keeps the caches
+        of the last `prompts_kept` prompts (0: every session feeds its own)."""
         self._engine = await self.engine_thread.run(LanguageEngine.load, model_dir, max_prompt_tokens, options)
+        self._engine.prompts_kept = prompts_kept
         await self.batcher.precompile(self._engine.precompile)
         self.metrics.frame_budget_s = self._engine.config.frame_duration
 
@@ -169,14 +171,15 @@ def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: 
 
 
 def build_spec(model_dir: str | Path, max_prompt_tokens: int = MAX_PROMPT_TOKENS,
-               batching: BatchOptions | None = None, options: LoadOptions = AS_STORED) -> ServiceSpec:
+               batching: BatchOptions | None = None, options: LoadOptions = AS_STORED,
+               prompts_kept: int = PROMPTS_KEPT) -> ServiceSpec:
     """The servicer, its name and its loader, for `run_service` or a test's `serve`."""
     engine_thread = EngineThread(name="llm-engine")
     servicer = LanguageServicer(engine_thread, batching=batching)
     return ServiceSpec(
         registrations=[(language_pb2_grpc.add_LanguageServiceServicer_to_server, servicer)],
         service_names=[SERVICE_NAME],
-        load=lambda: servicer.load(model_dir, max_prompt_tokens, options),
+        load=lambda: servicer.load(model_dir, max_prompt_tokens, options, prompts_kept),
         close=engine_thread.close,
         metrics=servicer.metrics,
     )

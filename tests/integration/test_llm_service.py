@@ -283,3 +283,32 @@ def test_the_float32_weights_flag_reaches_the_engine(tiny4_checkpoint):
             assert projection.spec is not None and projection.scales.dtype == dtype
         finally:
             spec.close()
+
+
+def test_the_prompts_kept_flag_reaches_the_engine_and_a_negative_one_is_refused(tiny_checkpoint):
+    """`--prompts-kept N` sets how many prompts' caches the engine keeps (default PROMPTS_KEPT; 0: none, so a
+    second session with a prompt feeds it again); a negative N is an error naming the flag."""
+    import asyncio
+
+    from services.common.cli import build_parser, parse_args
+    from services.llm.__main__ import add_arguments, build
+    from services.llm.engine import PROMPTS_KEPT
+
+    parser = build_parser("services.llm", "test")
+    add_arguments(parser)
+    for flags, kept in (([], PROMPTS_KEPT), (["--prompts-kept", "0"], 0), (["--prompts-kept", "7"], 7)):
+        spec = build(parse_args(parser, ["--model", str(tiny_checkpoint), *flags]))
+        try:
+            asyncio.run(spec.load())
+            engine = spec.registrations[0][1].engine
+            assert engine.prompts_kept == kept
+            for again in (False, True):
+                session = engine.open_session(PROMPT, prefill=False)
+                assert session.prompt_pending == (0 if kept and again else len(engine.prompt_ids(PROMPT)))
+                while session.prompt_pending:
+                    engine.prefill_batch([session])
+                engine.close_session(session)
+        finally:
+            spec.close()
+    with pytest.raises(ValueError, match="--prompts-kept -1"):
+        build(parse_args(parser, ["--model", str(tiny_checkpoint), "--prompts-kept", "-1"]))
