@@ -55,7 +55,7 @@ PREFIX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 # (on an H200, 15 of 16 sessions took 54.8 ms a step that way against 36.4 ms for all 16). A smaller share takes
 # its rows, so that a step of two of sixteen costs a step of two.
 MASKED_SHARE = 0.5
-# Sessions opening with a prompt seen lately take copies of the caches it left (`LanguageEngine.prompted`): the
+# Sessions opening with a prompt seen lately take copies of the caches it left (`LanguageEngine._take_prompted`): the
 # last this many prompts' (on the full model about 140 MB each, nearly all of it the Mamba states).
 PROMPTS_KEPT = 4
 
@@ -87,7 +87,7 @@ class LanguageSession:
     prompt_embeds: mx.array | None = None  # (P, D) the prefix rows as they entered the audio channel
     closed: bool = False
     forced_function: int | None = None  # the next step's function token in place of the head's pick (force_function)
-    prompt_key: tuple | None = None  # what its prompt's caches follow (`LanguageEngine.prompted`); None: none kept
+    prompt_key: tuple | None = None  # what its prompt's caches follow (`LanguageEngine._keep_prompted`); None: none
     _dtypes: tuple | None = field(default=None, repr=False)  # ((positions, prompt_positions), cache_dtypes()) read then
 
     def _run(self, audio: mx.array, want_heads: bool) -> tuple[mx.array, mx.array, mx.array] | None:
@@ -337,14 +337,13 @@ class LanguageEngine:
             if not full_history and restore is None and self.prompts_kept:
                 # what the caches' contents and sizes follow
                 session.prompt_key = (tuple(ids), prefix_dtype, self.max_context, cache_layout.GROW)
-            if self._take_prompted(session, rows):
-                pass  # fed already
-            elif restore is None and (prefill or full_history):
-                session.prefill(rows)
-                self._keep_prompted(session)
-            else:
-                session.prompt_embeds = rows
-                mx.eval(rows)
+            if not self._take_prompted(session, rows):
+                if restore is None and (prefill or full_history):
+                    session.prefill(rows)
+                    self._keep_prompted(session)
+                else:
+                    session.prompt_embeds = rows
+                    mx.eval(rows)
         if restore is not None:
             session.restore(restore)
         self._sessions[session.session_id] = session
