@@ -353,11 +353,11 @@ class LanguageEngine:
         """Give an opening session copies of the caches its prompt left in an earlier session, when they are
         kept: its prompt counts as fed. A prompt's rows draw no random numbers and see nothing of the session, so
         these are the bits feeding them would give (fed the way that earlier session's were)."""
-        template = self._prompted.get(session.prompt_key) if session.prompt_key is not None else None
+        template = self._prompted.pop(session.prompt_key, None) if session.prompt_key is not None else None
         if template is None:
             return False
-        kept(self._prompted, session.prompt_key, lambda: template, self.prompts_kept)  # now the most recent
-        session.caches = [None if c is None else c.copy() for c in template]
+        self._prompted[session.prompt_key] = template  # now the most recently used
+        session.caches = _copies(template)
         session.positions = session.prompt_positions = rows.shape[0]
         session.prompt_embeds = rows
         mx.eval(rows)
@@ -370,7 +370,7 @@ class LanguageEngine:
             return
 
         def template() -> list[LayerCache]:
-            caches = [None if c is None else c.copy() for c in session.caches]
+            caches = _copies(session.caches)
             mx.eval([a for c in caches if c is not None for a in c.arrays()])
             return caches
 
@@ -570,6 +570,11 @@ class LanguageEngine:
             outputs.append(StepOutput(text_id, session.prev_function, *logits))
         LanguageSession.share_dtypes([step[0] for step in steps])
         return outputs
+
+
+def _copies(caches: list[LayerCache]) -> list[LayerCache]:
+    """Each cache's copy in arrays of its own (None where a block has no cache)."""
+    return [None if c is None else c.copy() for c in caches]
 
 
 def _fed(sessions: list[LanguageSession]) -> list[None]:
