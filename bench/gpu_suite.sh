@@ -40,7 +40,7 @@
 # are added to them), STEPS (the steps to run, default "warmup stages sweep engines contention rtf rtf-flags
 # live": a device call has 10 minutes, so a lease splits them over calls, the checkpoint kept between them),
 # REFERENCE_PYTHON, ONE_FLAGS (default float32 weights in the language model, perception and speech), MPS (1: the
-# processes of the contention, rtf and live steps share the GPU through an MPS daemon of their own, `--mps`; no
+# processes of the contention, rtf, long and live steps share the GPU through an MPS daemon of their own, `--mps`; no
 # device setting changes). MLX settings exported before
 # the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
 # conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds). Where
@@ -167,9 +167,9 @@ if wants failover; then
     --networks "${FAILOVER_NETWORKS:-perception,llm,tts,codec}" --snapshot-seconds "${SNAPSHOT_SECONDS:-10}"
 fi
 if wants long; then
-  # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags
+  # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags, $mps empty or one flag
   step long "$py" -m bench.long_session --model "$model" --minutes "${LONG_MINUTES:-20}" --pace "${LONG_PACE:-burst}" \
-    --at "${LONG_AT:-1,5,10,20}" $one_flags
+    --at "${LONG_AT:-1,5,10,20}" $one_flags $mps
 fi
 wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 

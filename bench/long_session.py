@@ -2,12 +2,13 @@
 process's memory stay flat as the conversation ages.
 
     python -m bench.long_session --model DIR [--minutes 60] [--at 1,10,30,60] [--pace live|burst]
-                                 [--max-context N] [--service-flags NAME=FLAGS] [--input WAV]
+                                 [--mps] [--max-context N] [--service-flags NAME=FLAGS] [--input WAV]
                                  [--latency-budget-ms MS] [--json]
 
 The four services run as child processes (each with --metrics-port 0; --max-context N, when given, goes to the
-language and speech services), `orchestrator serve --services ...` over them, and one gRPC Converse conversation
-sends M minutes of the input looped (bench.load's client), paced like a live microphone (`live`, the default) or
+language and speech services; --mps: they share the GPU through an MPS daemon), `orchestrator serve --services
+...` over them, and one gRPC Converse conversation sends M minutes of the input looped, and 5 s more so that the
+last sample sees the session open (bench.load's client), paced like a live microphone (`live`, the default) or
 as fast as the server takes it (`burst`). When the conversation's audio passes each minute of --at, every
 process's memory is sampled: its resident set (RSS, from the OS) and, for the services, MLX's active, cache and
 peak bytes from its /metrics. Per minute of --at, over the minute of frames before it: the interval between
@@ -42,6 +43,7 @@ NETWORK = ("perception", "llm", "tts", "codec")
 BOUNDED = ("llm", "tts")  # the services whose attention caches take --max-context
 FRAMES_PER_MINUTE = round(60 / FRAME_S)
 MLX_KINDS = ("active", "cache", "peak")
+TAIL_S = 5.0  # audio past the last minute sampled
 
 
 @dataclass
@@ -110,7 +112,8 @@ async def converse(address: str, samples, pace: str, minutes: list[float], measu
                    progress=None) -> tuple[Outcome, list[Sample]]:
     """The conversation, and `measure()` (every process's memory) each time its answered frames pass a minute;
     each sample, its figures filled from the frames answered so far, goes to `progress(sample)` as it is taken."""
-    [talk] = conversations(samples, 1, max(minutes) * 60)
+    # a few seconds past the last sample, so that it sees the session still open
+    [talk] = conversations(samples, 1, max(minutes) * 60 + TAIL_S)
     outcome = Outcome("grpc")
     start = time.monotonic()
     task = asyncio.ensure_future(grpc_conversation(address, talk, pace=pace, outcome=outcome))
@@ -131,17 +134,18 @@ async def converse(address: str, samples, pace: str, minutes: list[float], measu
 
 
 def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]], samples,
-        budget_s: float, progress=None) -> tuple[Outcome, list[Sample]]:
-    """Start the services and the orchestrator, hold the conversation, stop them all."""
+        budget_s: float, progress=None, mps: bool = False) -> tuple[Outcome, list[Sample]]:
+    """Start the services (sharing the GPU through an MPS daemon with `mps`) and the orchestrator, hold the
+    conversation, stop them all."""
     served: list[subprocess.Popen] = []
     service_flags = {name: ["--metrics-port", "0", *flags.get(name, [])] for name in NETWORK}
-    with launched(model, NETWORK, service_flags) as children:
+    with launched(model, NETWORK, service_flags, mps=mps) as children:
         services = {name: procs[0] for name, procs in children.items()}
         deadline = time.monotonic() + 10
         while not all(child.metrics_url for child in services.values()) and time.monotonic() < deadline:
             time.sleep(0.02)
         addresses = ",".join(f"{name}={child.address}" for name, child in services.items())
-        seconds = max(minutes) * 60 + 60
+        seconds = max(minutes) * 60 + TAIL_S + 60
 
         def measure() -> dict[str, Memory]:
             memory = {name: service_memory(name, child) for name, child in services.items()}
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-flags", action="append", default=[], metavar="NAME=FLAGS",
                         help="extra flags for a service (NAME one of the four or all), repeatable")
     parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
+    parser.add_argument("--mps", action="store_true",
+                        help="the services share the GPU through a CUDA MPS daemon started for them (NVIDIA only)")
     add_budget_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     # each row also goes to stderr when it is taken: a run cut short by a time limit keeps the rows it reached
     print(HEADER, file=sys.stderr, flush=True)
     outcome, taken = run(args.model, at_end, args.pace, flags, samples, args.latency_budget_s,
-                         lambda sample: print(sample_row(sample), file=sys.stderr, flush=True))
+                         lambda sample: print(sample_row(sample), file=sys.stderr, flush=True), args.mps)
     ok = outcome.done and not outcome.errors and not outcome.lost
     if args.json:
         print(json.dumps({"minutes": minutes, "pace": args.pace, "max_context": args.max_context,

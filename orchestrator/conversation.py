@@ -15,6 +15,11 @@ that Error. A message that does not parse ends it with an INVALID_REQUEST Error 
 However a stream ends (Done, error, or a client that vanished) every service session is freed, and its slot is
 free at once (the sessions close in the background).
 
+Audio sent ahead of real time, or a client slower to take its answers than the server makes them, is held back:
+while `max_queued_frames` frames of a conversation are in its pipeline or waiting to be sent, no more of its
+audio is read (gRPC's flow control then slows the client's sends), so neither its input nor its answers pile up
+in the server's memory however long the conversation.
+
 `metrics` (voicechat_*{service="orchestrator"}) sees the conversations holding a slot, every frame whose events
 went out (timed by the session's frame interval, and by its LatencyTracker against the live schedule from the first
 AudioIn's arrival) and every Error sent, by its ERROR_CODE_* name.
@@ -56,7 +61,45 @@ from services.common.tensors import from_proto_np, to_proto_np
 log = logging.getLogger(__name__)
 SERVICE_NAME = full_service_name(pb, "ConversationService")
 TERMINAL_HOLD_S = 1.0  # how long Done/Cancelled waits for the client to half-close (errors for late messages)
+MAX_QUEUED_FRAMES = 25  # 2 s of frames in a conversation's pipeline or waiting for its client, then its audio waits
 _READER_DONE = object()
+
+
+class Outbox:
+    """One conversation's answers on their way to its client, in order: events (put from the session's threads
+    through the loop), errors and the reader's end. The reader tells it how many frames it pushed into the
+    session; `room()` waits while `limit` of them are not yet out (in the pipeline or waiting here)."""
+
+    def __init__(self, limit: int = MAX_QUEUED_FRAMES):
+        self.limit = limit
+        self.pushed = 0  # frames of input the session was given
+        self.taken = 0  # frames whose audio event was taken to be sent
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._took = asyncio.Event()
+
+    @property
+    def frames(self) -> int:
+        """Frames pushed and not yet out."""
+        return self.pushed - self.taken
+
+    def put_nowait(self, item) -> None:
+        self._items.put_nowait(item)
+
+    async def get(self):
+        item = await self._items.get()
+        if isinstance(item, Event) and item.kind == "audio":
+            self.taken += 1
+            self._took.set()
+        return item
+
+    def empty(self) -> bool:
+        return self._items.empty()
+
+    async def room(self) -> None:
+        """Until fewer than `limit` frames are pushed and not yet out."""
+        while self.frames >= self.limit:
+            self._took.clear()
+            await self._took.wait()
 
 
 class _Fatal(Exception):
@@ -139,7 +182,7 @@ def configured_tools(spec: pb.Configure) -> tuple[list[Tool], str]:
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
                  max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None,
-                 runner=None, ticker=None):
+                 runner=None, ticker=None, max_queued_frames: int = MAX_QUEUED_FRAMES):
         self.clients = clients
         self.runner = runner  # a ToolRunner: the server's own tools, declared in every conversation
         self.ticker = ticker  # a FrameTicker shared by the conversations (--frame-tick-ms), or None
@@ -151,7 +194,10 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.admission = Admission(max_sessions)
         self.max_streaming_seconds = max_streaming_seconds
         self.pipelined = pipelined
-        self._outboxes: set[asyncio.Queue] = set()  # the live conversations' outgoing queues
+        if max_queued_frames < 1:
+            raise ValueError(f"max_queued_frames must be at least 1, got {max_queued_frames}")
+        self.max_queued_frames = max_queued_frames  # a conversation's frames pushed and not yet out (module)
+        self._outboxes: set[Outbox] = set()  # the live conversations' answers on their way out
         self.metrics.track_sessions(lambda: self.admission.live)
         self._ids = itertools.count(1)
 
@@ -195,7 +241,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     async def _converse(self, request_iterator: AsyncIterator[pb.ConverseRequest],
                         context) -> AsyncIterator[pb.ConverseResponse]:
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        out = Outbox(self.max_queued_frames)
         session: OnlineSession | None = None
         slot: Slot | None = None
         reader: asyncio.Task | None = None
@@ -286,7 +332,12 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                 outbox.put_nowait(_Fatal(pb.ERROR_CODE_SERVICE_UNAVAILABLE, message))
             await self.admission.wait_idle(5.0)
 
-    async def _read(self, requests, session: OnlineSession, drive, out: asyncio.Queue,
+    @property
+    def queued_frames(self) -> int:
+        """Frames pushed into the live conversations' sessions and not yet out (each holds about its bound at most)."""
+        return sum(outbox.frames for outbox in self._outboxes)
+
+    async def _read(self, requests, session: OnlineSession, drive, out: Outbox,
                     timing: LatencyTracker) -> None:
         """Apply the client's messages in order; problems go to `out` as (code, message) or _Fatal."""
         ended = False
@@ -307,7 +358,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                             out.put_nowait((pb.ERROR_CODE_INVALID_REQUEST, str(exc)))
                             continue
                         timing.start()
+                        await out.room()  # a client behind on its answers sends no more for now
                         await asyncio.to_thread(drive, session.push_audio, samples, rate)
+                        out.pushed = session.frames_pushed
                     elif kind == "flush":
                         ended = True
                         pad = request.flush.pad_partial if request.flush.HasField("pad_partial") else True
@@ -344,7 +397,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         finally:
             out.put_nowait(_READER_DONE)
 
-    async def _write(self, session: OnlineSession, out: asyncio.Queue, reader: asyncio.Task,
+    async def _write(self, session: OnlineSession, out: Outbox, reader: asyncio.Task,
                      timing: LatencyTracker):
         """Events and errors in order; Done/Cancelled last, held until the client half-closes (or 1 s)."""
         rate = self.config.output_sample_rate

@@ -234,6 +234,11 @@ class OnlineSession:
         """Frames whose events have been emitted."""
         return self._completed
 
+    @property
+    def frames_pushed(self) -> int:
+        """Frames of input handed to the stages (the pipelined mode queues them without waiting)."""
+        return self._pushed
+
     def push_audio(self, samples, sample_rate: int = 16_000) -> list[Event]:
         """Buffer mono float PCM (any length) and run every complete 80 ms frame.
 

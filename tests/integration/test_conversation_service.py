@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from orchestrator.conversation import SERVICE_NAME, ConversationServicer, registrations
+from orchestrator.conversation import MAX_QUEUED_FRAMES, SERVICE_NAME, ConversationServicer, registrations
 from orchestrator.stream_clients import grpc_stream_clients
 from protos.voicechat.v1 import conversation_pb2 as pb
 from protos.voicechat.v1 import conversation_pb2_grpc, speech_pb2_grpc
@@ -186,6 +186,29 @@ def test_four_concurrent_conversations_each_equal_a_solo_run(stack, golden):
     assert results == solo
     assert len({tuple(r) for r in results}) == 4
     assert stack.wait_idle() == {name: 0 for name in stack.live()}
+
+
+def test_a_client_that_leaves_its_answers_untaken_holds_back_its_own_audio(stack, golden):
+    """All the audio sent ahead and no answer taken for a while: the frames waiting in the server stay at the
+    bound (not the 65 the audio makes), and once taken the answers equal those of a client that read as it went."""
+    requests = [configure(seed=0), *chunks(golden[0]["waveform"]), flush()]
+    reading = converse(stack.address, requests)
+    stack.conversation.max_queued_frames = 3
+    try:
+        # no BDP probing: the client's receive window stays at its initial 64 KB, about 9 frames of tiny's answers
+        with grpc.insecure_channel(stack.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+            responses = conversation_pb2_grpc.ConversationServiceStub(channel).Converse(iter(requests), timeout=120)
+            got = [describe(next(responses))]  # ready: the conversation is open
+            queued = []
+            for _ in range(100):  # 2 s without taking an answer
+                queued.append(stack.conversation.queued_frames)
+                time.sleep(0.02)
+            got += [describe(r) for r in responses]
+    finally:
+        stack.conversation.max_queued_frames = MAX_QUEUED_FRAMES
+    assert max(queued) == queued[-1] == 3  # one chunk is one frame here: the bound exactly, and held
+    assert got == reading and got[-1] == ("done", golden[1]["frames"])
+    assert stack.conversation.queued_frames == 0
 
 
 def test_bad_input_gets_an_error_event_and_the_conversation_goes_on(stack, golden):
