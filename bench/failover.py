@@ -36,7 +36,7 @@ import numpy as np
 
 from orchestrator.clients import Deadlines
 from orchestrator.failover import FailoverPolicy
-from orchestrator.launcher import ServiceProcess, spawn_service, stop, wait_ready
+from orchestrator.launcher import LaunchError, ServiceProcess, spawn_service, stop, wait_ready
 from orchestrator.session import OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import grpc_stream_clients
 from orchestrator.text import TextDecoder
@@ -86,12 +86,23 @@ class Replicas:
         while not all(child.metrics_url for child in started) and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def revive(self) -> None:
-        """Restart every replica that is gone, and give the channels time to find them (backoff is 2 s at most)."""
-        gone = [name for name, child in self.children.items() if child.process.poll() is not None]
-        if gone:
-            self.start(gone)
+    def revive(self, attempts: int = 5) -> None:
+        """Restart every replica that is gone, and give the channels time to find them (backoff is 2 s at most).
+        A replica goes back on its old port, which another process may hold for a moment (the system handed it
+        out again meanwhile): that start is tried again a second later, `attempts` times in all."""
+        for attempt in range(attempts):
+            gone = [name for name, child in self.children.items() if child.process.poll() is not None]
+            if not gone:
+                break
+            try:
+                self.start(gone)
+            except LaunchError as exc:
+                if "the port is in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                time.sleep(1.0)
+                continue
             time.sleep(3.0)
+            break
 
     def holder(self, network: str) -> str:
         """The replica of `network` holding the one open session's stream."""
