@@ -199,6 +199,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.max_queued_frames = max_queued_frames  # a conversation's frames pushed and not yet out (module)
         self._outboxes: set[Outbox] = set()  # the live conversations' answers on their way out
         self.metrics.track_sessions(lambda: self.admission.live)
+        self.metrics.track_queued(lambda: self.queued_frames)
         self._ids = itertools.count(1)
 
     @property

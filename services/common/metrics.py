@@ -105,6 +105,13 @@ class Metrics:
             "voicechat_batch_size", "Sessions whose frame steps ran together in one batched engine step",
             ["service"], buckets=BATCH_BUCKETS, registry=self.registry).labels(service)
         self._latency = _DuplexLatency(self.registry) if service == "orchestrator" else None
+        self._queued_counts: list[Callable[[], int]] = []
+        if service == "orchestrator":
+            Gauge("voicechat_queued_frames", "Frames of the gRPC conversations pushed into their sessions and not yet "
+                  "sent: each conversation holds at most 25, then its audio waits; near 25 a conversation, clients "
+                  "send ahead of real time or take their answers slowly", ["service"],
+                  registry=self.registry).labels(service).set_function(
+                      lambda: float(sum(count() for count in self._queued_counts)))
         if service != "orchestrator":
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
                            "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
@@ -115,6 +122,10 @@ class Metrics:
     def track_sessions(self, count: Callable[[], int]) -> None:
         """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
         self._session_counts.append(count)
+
+    def track_queued(self, count: Callable[[], int]) -> None:
+        """Add a count of frames pushed and not yet sent (read at scrape time) to voicechat_queued_frames."""
+        self._queued_counts.append(count)
 
     def _count_sessions(self) -> float:
         return float(sum(count() for count in self._session_counts))

@@ -203,10 +203,12 @@ def test_a_client_that_leaves_its_answers_untaken_holds_back_its_own_audio(stack
             for _ in range(100):  # 2 s without taking an answer
                 queued.append(stack.conversation.queued_frames)
                 time.sleep(0.02)
+            gauge = stack.conversation.metrics.registry.get_sample_value("voicechat_queued_frames",
+                                                                          {"service": "orchestrator"})
             got += [describe(r) for r in responses]
     finally:
         stack.conversation.max_queued_frames = MAX_QUEUED_FRAMES
-    assert max(queued) == queued[-1] == 3  # one chunk is one frame here: the bound exactly, and held
+    assert max(queued) == queued[-1] == gauge == 3  # one chunk is one frame here: the bound exactly, and held
     assert got == reading and got[-1] == ("done", golden[1]["frames"])
     assert stack.conversation.queued_frames == 0
 
