@@ -336,7 +336,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     @property
     def queued_frames(self) -> int:
         """Frames pushed into the live conversations' sessions and not yet out (each holds about its bound at most)."""
-        return sum(outbox.frames for outbox in self._outboxes)
+        return sum(outbox.frames for outbox in tuple(self._outboxes))  # a copy: scrapes come from another thread
 
     async def _read(self, requests, session: OnlineSession, drive, out: Outbox,
                     timing: LatencyTracker) -> None:

@@ -363,6 +363,14 @@ class LanguageEngine:
         mx.eval(rows)
         return True
 
+    def take_prompted(self, session: LanguageSession) -> bool:
+        """A session opened with its prompt rows pending and none fed yet takes copies of the caches its prompt
+        left in another session since (True: its prompt counts as fed), when they are kept; else (False) it is
+        left as it was, to feed its own."""
+        if session.closed or session.positions or session.frames or not session.prompt_pending:
+            return False
+        return self._take_prompted(session, session.prompt_embeds)
+
     def _keep_prompted(self, session: LanguageSession) -> None:
         """Keep copies of the caches a session's whole prompt left, before its first step, for the next
         sessions opening with that prompt (`_take_prompted`); the template itself never steps."""

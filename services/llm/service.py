@@ -8,6 +8,7 @@ counts in `metrics` (frames, step time, over budget); open sessions are its acti
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -52,6 +53,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         self.engine_thread = engine_thread
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
+        self._feeding: dict[tuple, asyncio.Event] = {}  # a prompt's key -> set once the session feeding it stops
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
@@ -87,10 +89,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         self.live_sessions += 1
         marks = Marks()  # its last snapshot, which the next may build on
         try:
-            # The prompt is fed a row per batch, with other sessions' steps and rows: an opening session does
-            # not hold the engine for its whole prompt, and sessions opening together feed theirs together.
-            while session.prompt_pending:
-                await self.batcher.submit((session, None))
+            await self._feed_prompt(engine, session)
             opened = await self.engine_thread.run(_opened, engine, session)
             yield language_pb2.LanguageStreamResponse(opened=opened)
 
@@ -115,6 +114,30 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             self.live_sessions -= 1
             with contextlib.suppress(RuntimeError):
                 self.engine_thread.submit(engine.close_session, session)
+
+    async def _feed_prompt(self, engine: LanguageEngine, session: LanguageSession) -> None:
+        """Feed the session's pending prompt rows, a row per batch with other sessions' steps and rows: an opening
+        session does not hold the engine for its whole prompt, and sessions opening with different prompts feed
+        them together. A session opening with a prompt that another one is feeding now waits for it to finish and
+        takes copies of the caches it left (the engine keeps them: `prompts_kept`), so a burst of sessions opening
+        with one new prompt feeds it once; should that one close first, the next feeds its own."""
+        while session.prompt_pending:
+            key = session.prompt_key  # None: this session's prompt is not kept (restored, or prompts_kept 0)
+            feeding = self._feeding.get(key) if key is not None else None
+            if feeding is not None:
+                await feeding.wait()
+                await self.engine_thread.run(engine.take_prompted, session)
+                continue
+            done = asyncio.Event()
+            if key is not None:
+                self._feeding[key] = done
+            try:
+                while session.prompt_pending:
+                    await self.batcher.submit((session, None))
+            finally:
+                if key is not None and self._feeding.get(key) is done:
+                    del self._feeding[key]
+                done.set()
 
     def _run_steps(self, entries: list[tuple[LanguageSession, language_pb2.LanguageStep | None]]) -> list:
         """The steps of concurrent sessions as one batch, on the engine thread (tensor conversion included: MLX

@@ -283,6 +283,65 @@ def test_sessions_opening_together_feed_their_prompts_in_shared_batches(tiny_che
     assert tts[False][1] == 1.0 and tts[True][1] > 1.5
 
 
+def test_sessions_opening_together_with_one_new_prompt_feed_it_once(tiny_checkpoint):
+    """Four language sessions open at once with a prompt the engine has not kept: one feeds it, a row per batch,
+    the others wait and take copies of the caches it leaves. Every open reply and first step equals, byte for
+    byte, that of a session that fed the prompt alone with prompts not kept. Should the feeding session go away
+    before its prompt is fed, the next one feeds its own and the rest take its caches."""
+    from protos.voicechat.v1 import language_pb2, language_pb2_grpc
+
+    config = VoiceChatConfig.load(tiny_checkpoint)
+    ids = [1, 31, 41, 59, 26, 53, 58, 97, 93, 2]
+    opening = language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
+        prompt_token_ids=ids, prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16))
+
+    async def replies(call, load) -> list[bytes]:
+        got = [(await call.read()).SerializeToString(deterministic=True)]
+        rng = np.random.default_rng(0)  # every session the same frames: each must answer as one alone
+        for index in range(2):
+            await call.write(load.frame(index, rng))
+            got.append((await call.read()).SerializeToString(deterministic=True))
+        await call.done_writing()
+        return got
+
+    async def scenario(kept: bool, sessions: int, leaver: bool = False):
+        """Each session's replies, and the prompt rows the engine fed meanwhile (counted at prefill_batch)."""
+        async with served("llm", tiny_checkpoint) as (address, servicer):
+            engine = servicer.engine
+            engine.prompts_kept = 4 if kept else 0
+            fed = []
+            prefill = engine.prefill_batch
+            engine.prefill_batch = lambda batch: (fed.append(len(batch)), prefill(batch))[1]
+            load = workload("llm", config)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = language_pb2_grpc.LanguageServiceStub(channel)
+                first = stub.Stream() if leaver else None
+                if leaver:  # opens first, feeds two rows, then goes away
+                    await first.write(opening)
+                    await _until(lambda: sum(fed) >= 2, "the first session's rows")
+                gate = threading.Event()
+                servicer.engine_thread.submit(gate.wait, 30)
+                calls = [stub.Stream() for _ in range(sessions)]
+                for call in calls:
+                    await call.write(opening)
+                if leaver:
+                    first.cancel()
+                await asyncio.sleep(0.2)  # every open reached the service
+                gate.set()
+                return await asyncio.gather(*(replies(call, load) for call in calls)), fed
+
+    alone, fed_alone = asyncio.run(scenario(kept=False, sessions=1))
+    assert sum(fed_alone) == len(ids)
+    together, fed = asyncio.run(scenario(kept=True, sessions=4))
+    assert sum(fed) == len(ids) and set(fed) == {1}  # one session's rows, one a batch
+    assert all(r == alone[0] for r in together)
+    unkept, fed_unkept = asyncio.run(scenario(kept=False, sessions=4))
+    assert sum(fed_unkept) == 4 * len(ids) and all(r == alone[0] for r in unkept)
+    left, fed_left = asyncio.run(scenario(kept=True, sessions=3, leaver=True))
+    assert all(r == alone[0] for r in left)
+    assert 2 + len(ids) <= sum(fed_left) < 2 * len(ids)  # the leaver's rows, then one session's whole prompt
+
+
 async def run_snapshotted(channel, load, frames: list, at: int | None) -> tuple[bytes, list, list]:
     """One session sending every frame ahead, a snapshot request after frame `at` (None: none) among them; returns
     its open's reply, its frames' replies and the snapshot's parts."""
