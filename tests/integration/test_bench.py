@@ -324,3 +324,13 @@ def test_restore_bench_times_each_phase_of_a_merged_state(capsys):
     assert all(seconds > 0 for run in report["runs"] for seconds in run.values())
     with pytest.raises(SystemExit):
         restore.main(["--every", "0"])
+
+
+def test_prompt_burst_feeds_each_new_prompt_once(tiny_checkpoint, capsys):
+    from bench import prompt_burst
+
+    assert prompt_burst.prompt(6, 0, 1024) != prompt_burst.prompt(6, 1, 1024)  # every round's prompt is new
+    assert prompt_burst.main(["--model", str(tiny_checkpoint), "--sessions", "3", "--prompt-tokens", "6",
+                              "--rounds", "2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("3 sessions opening with a new 6-token prompt: ") and line.count("(6 rows fed)") == 2
