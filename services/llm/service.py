@@ -54,10 +54,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
         self._engine = engine
         self.live_sessions = 0  # open Stream sessions (the engine's own count follows once they are closed)
         self._feeding: dict[tuple, asyncio.Event] = {}  # a prompt's key -> set once the session feeding it stops
+        self._following = 0  # sessions waiting for another to feed their prompt: no step of theirs is coming
         self.metrics = metrics or Metrics("llm")
         self.metrics.track_sessions(lambda: self.live_sessions)
         self.batcher = StepBatcher.with_options(engine_thread, self._run_steps, batching or BatchOptions(),
-                                                on_batch=self.metrics.batch, sessions=lambda: self.live_sessions,
+                                                on_batch=self.metrics.batch,
+                                                sessions=lambda: self.live_sessions - self._following,
                                                 key=session_of, reads=is_snapshot)
 
     @property
@@ -125,7 +127,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServiceServicer):
             key = session.prompt_key  # None: this session's prompt is not kept (restored, or prompts_kept 0)
             feeding = self._feeding.get(key) if key is not None else None
             if feeding is not None:
-                await feeding.wait()
+                self._following += 1  # a batch does not wait for its steps meanwhile
+                try:
+                    await feeding.wait()
+                finally:
+                    self._following -= 1
                 await self.engine_thread.run(engine.take_prompted, session)
                 continue
             done = asyncio.Event()
