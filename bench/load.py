@@ -158,9 +158,10 @@ async def _paced(data: bytes, pace: str, duration_s: float, outcome: Outcome):
 
 
 async def grpc_conversation(address: str, conversation: Conversation, *, pace: str = "live",
-                            duration_s: float = math.inf, outcome: Outcome | None = None) -> Outcome:
+                            duration_s: float = math.inf, outcome: Outcome | None = None,
+                            take_s: float = 0.0) -> Outcome:
     """One conversation over the Converse stream; `outcome` (a fresh one unless given, to watch it meanwhile)
-    fills as the events arrive."""
+    fills as the events arrive. `take_s`: a wait after each audio frame taken (a client slow to read)."""
     outcome = outcome or Outcome("grpc")
     ready = asyncio.Event()
 
@@ -189,6 +190,8 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
                     samples = from_proto_np(response.audio.samples)
                     outcome.add_audio(response.audio.audio_codes, to_pcm16(samples).astype("<i2").tobytes(),
                                       time.monotonic())
+                    if take_s:
+                        await asyncio.sleep(take_s)
                 elif kind == "done":
                     outcome.done = True
                 elif kind == "error":

@@ -26,10 +26,10 @@ from services.common.server import start_server
 from services.llm.service import build_spec
 
 
-def prompt(tokens: int, round_index: int, vocab: int) -> list[int]:
-    """`tokens` ids, bos (1) and eos (2) at the ends and a middle no other round has: a prompt not yet kept."""
-    middle = [3 + (7 * round_index + 13 * i) % (vocab - 3) for i in range(tokens - 2)]
-    return [1, *middle, 2]
+def prompt(tokens: int, round_index: int, model) -> list[int]:
+    """`tokens` ids, the model's bos and eos at the ends and a middle no other round has: a prompt not yet kept."""
+    middle = [3 + (7 * round_index + 13 * i) % (model.vocab_size - 3) for i in range(tokens - 2)]
+    return [model.bos_id, *middle, model.eos_id]
 
 
 async def rounds(model: Path, sessions: int, tokens: int, count: int) -> list[tuple[float, float]]:
@@ -40,12 +40,12 @@ async def rounds(model: Path, sessions: int, tokens: int, count: int) -> list[tu
     out = []
     try:
         await running.become_ready(spec.load)
-        vocab = servicer.engine.model.vocab_size
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = language_pb2_grpc.LanguageServiceStub(channel)
             for r in range(count):
                 opening = language_pb2.LanguageStreamRequest(open=language_pb2.LanguageOpen(
-                    prompt_token_ids=prompt(tokens, r, vocab), prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16))
+                    prompt_token_ids=prompt(tokens, r, servicer.engine.model),
+                    prefix_precision=language_pb2.PREFIX_PRECISION_BFLOAT16))
                 before = servicer.metrics.value("voicechat_batch_size_sum") or 0
                 calls = [stub.Stream() for _ in range(sessions)]
                 start = time.perf_counter()

@@ -20,58 +20,30 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-import numpy as np
-
-from bench.load import EXAMPLE, orchestrator
+from bench.load import EXAMPLE, Outcome, conversations, grpc_conversation, orchestrator
 from bench.long_session import rss_bytes
 from orchestrator.audio import read_audio
-from protos.voicechat.v1 import conversation_pb2 as pb
-from protos.voicechat.v1 import conversation_pb2_grpc
-
-CHUNK = 1280  # one 80 ms frame of 16 kHz audio a message
 
 
-def looped(seconds: float) -> np.ndarray:
-    """`seconds` of the bundled question, repeated, as PCM16."""
-    wave = read_audio(EXAMPLE)
-    n = round(seconds * 16_000)
-    return (np.clip(np.resize(wave, n), -1.0, 1.0) * 32767).astype("<i2")
-
-
-async def converse(address: str, pcm: np.ndarray, take_s: float, every_s: float, pid: int) -> list[dict]:
-    """The conversation; a row {seconds, frames, rss_mb} every `every_s` and one at the end."""
-    rows: list[dict] = []
+async def converse(address: str, seconds: float, take_s: float, every_s: float, pid: int) -> list[dict]:
+    """The conversation (bench.load's client, all its audio sent at once); a row {seconds, frames, rss_mb} of the
+    frames taken so far and the orchestrator's RSS every `every_s`, and one at the end."""
+    [talk] = conversations(read_audio(EXAMPLE), 1, seconds)
+    outcome = Outcome("grpc")
     start = time.monotonic()
-    frames = 0
-
-    def sample() -> None:
+    task = asyncio.ensure_future(grpc_conversation(address, talk, pace="burst", outcome=outcome, take_s=take_s))
+    rows: list[dict] = []
+    while True:
         rss = rss_bytes(pid)
-        rows.append({"seconds": round(time.monotonic() - start, 1), "frames": frames,
+        rows.append({"seconds": round(time.monotonic() - start, 1), "frames": outcome.frames,
                      "rss_mb": None if rss is None else round(rss / 2**20, 1)})
-        print(f"{rows[-1]['seconds']:7.1f} s  {frames:6d} frames taken  orchestrator RSS {rows[-1]['rss_mb']} MB",
-              file=sys.stderr, flush=True)
-
-    async def requests():
-        yield pb.ConverseRequest(configure=pb.Configure(seed=0))
-        for i in range(0, len(pcm), CHUNK):
-            yield pb.ConverseRequest(audio=pb.AudioIn(pcm16=pcm[i : i + CHUNK].tobytes()))
-        yield pb.ConverseRequest(flush=pb.Flush())
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        due = start
-        async for response in conversation_pb2_grpc.ConversationServiceStub(channel).Converse(requests()):
-            kind = response.WhichOneof("event")
-            if kind == "error":
-                raise RuntimeError(f"{pb.ErrorCode.Name(response.error.code)}: {response.error.message}")
-            if kind != "audio":
-                continue
-            frames += 1
-            if time.monotonic() >= due:
-                sample()
-                due += every_s
-            await asyncio.sleep(take_s)
-    sample()
+        print(f"{rows[-1]['seconds']:7.1f} s  {outcome.frames:6d} frames taken  orchestrator RSS "
+              f"{rows[-1]['rss_mb']} MB", file=sys.stderr, flush=True)
+        if task.done():
+            break
+        await asyncio.wait({task}, timeout=every_s)
+    if outcome.errors or not outcome.done:
+        raise RuntimeError(f"the conversation did not end with Done: {outcome.errors or 'no Done'}")
     return rows
 
 
@@ -85,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.seconds > 0 or args.take_ms < 0 or not args.every > 0:
         parser.error("--seconds and --every must be positive, --take-ms 0 or more")
-    pcm = looped(args.seconds)
     served: list = []
     limit = ["--max-streaming-seconds", str(args.seconds + 60)]
     with orchestrator(args.model, 1, limit, served) as (address, _):
-        rows = asyncio.run(converse(address, pcm, args.take_ms / 1000, args.every, served[0].pid))
+        rows = asyncio.run(converse(address, args.seconds, args.take_ms / 1000, args.every, served[0].pid))
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -69,6 +69,11 @@ _ORCHESTRATOR_FRAME_HELP = (
 )
 
 
+def _summed(counts: list[Callable[[], int]]) -> Callable[[], float]:
+    """A gauge's reading: the sum of `counts` (added to later) at scrape time."""
+    return lambda: float(sum(count() for count in counts))
+
+
 class Metrics:
     """The metrics of one role, in a registry of their own; every method is safe from any thread."""
 
@@ -88,7 +93,7 @@ class Metrics:
         sessions = "conversations (gRPC Converse and /v1/realtime)" if service == "orchestrator" else "streams"
         self._active = Gauge("voicechat_active_sessions", f"Open streaming sessions: {sessions} holding a slot",
                              ["service"], registry=self.registry).labels(service)
-        self._active.set_function(self._count_sessions)
+        self._active.set_function(_summed(self._session_counts))
         self._frames = Counter("voicechat_frames", "Frames processed" + (
             ": frames whose events went out to a client" if service == "orchestrator" else ": streaming steps"),
             ["service"], registry=self.registry).labels(service)
@@ -108,10 +113,9 @@ class Metrics:
         self._queued_counts: list[Callable[[], int]] = []
         if service == "orchestrator":
             Gauge("voicechat_queued_frames", "Frames of the gRPC conversations pushed into their sessions and not yet "
-                  "sent: each conversation holds at most 25, then its audio waits; near 25 a conversation, clients "
-                  "send ahead of real time or take their answers slowly", ["service"],
-                  registry=self.registry).labels(service).set_function(
-                      lambda: float(sum(count() for count in self._queued_counts)))
+                  "sent: each conversation holds at most its bound (25 by default), then its audio waits; near the "
+                  "bound a conversation, clients send ahead of real time or take their answers slowly", ["service"],
+                  registry=self.registry).labels(service).set_function(_summed(self._queued_counts))
         if service != "orchestrator":
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
                            "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
@@ -127,8 +131,6 @@ class Metrics:
         """Add a count of frames pushed and not yet sent (read at scrape time) to voicechat_queued_frames."""
         self._queued_counts.append(count)
 
-    def _count_sessions(self) -> float:
-        return float(sum(count() for count in self._session_counts))
 
     def frame(self, seconds: float | None) -> None:
         """One frame processed in `seconds`. None counts a frame whose time is unknown without timing it."""

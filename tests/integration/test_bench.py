@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -329,8 +330,21 @@ def test_restore_bench_times_each_phase_of_a_merged_state(capsys):
 def test_prompt_burst_feeds_each_new_prompt_once(tiny_checkpoint, capsys):
     from bench import prompt_burst
 
-    assert prompt_burst.prompt(6, 0, 1024) != prompt_burst.prompt(6, 1, 1024)  # every round's prompt is new
+    model = SimpleNamespace(vocab_size=1024, bos_id=1, eos_id=2)
+    first, second = prompt_burst.prompt(6, 0, model), prompt_burst.prompt(6, 1, model)
+    assert first != second and first[0] == second[0] == 1 and first[-1] == second[-1] == 2  # every round's is new
     assert prompt_burst.main(["--model", str(tiny_checkpoint), "--sessions", "3", "--prompt-tokens", "6",
                               "--rounds", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("3 sessions opening with a new 6-token prompt: ") and line.count("(6 rows fed)") == 2
+
+
+def test_slow_client_takes_every_frame_and_samples_the_orchestrator(tiny_checkpoint, capsys):
+    from bench import slow_client
+
+    assert slow_client.main(["--model", str(tiny_checkpoint), "--seconds", "1", "--take-ms", "20", "--every",
+                             "0.1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[-1]["frames"] == 13  # 1 s of audio: 12 frames and the flushed partial one
+    assert len(rows) >= 3 and all(r["rss_mb"] > 10 for r in rows)
+    assert [r["frames"] for r in rows] == sorted(r["frames"] for r in rows)

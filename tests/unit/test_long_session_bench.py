@@ -1,9 +1,7 @@
-"""bench.long_session's arithmetic: the per-frame figures of the minute before a mark, and a process's RSS;
-bench.slow_client's audio."""
+"""bench.long_session's arithmetic: the per-frame figures of the minute before a mark, and a process's RSS."""
 
 import os
 
-import numpy as np
 import pytest
 
 from bench.load import Outcome
@@ -31,16 +29,3 @@ def test_the_figures_cover_the_minute_of_frames_before_the_mark():
 def test_rss_reads_this_process():
     rss = rss_bytes(os.getpid())
     assert rss is not None and 10 * 2**20 < rss < 64 * 2**30
-
-
-def test_the_slow_client_sends_the_question_looped_as_pcm16():
-    from bench.load import EXAMPLE
-    from bench.slow_client import looped
-    from orchestrator.audio import read_audio
-
-    wave = read_audio(EXAMPLE)
-    pcm = looped(2 * len(wave) / 16_000 + 0.5)
-    assert pcm.dtype == np.dtype("<i2") and len(pcm) == 2 * len(wave) + 8000
-    first = (np.clip(wave, -1.0, 1.0) * 32767).astype("<i2")
-    assert np.array_equal(pcm[: len(wave)], first) and np.array_equal(pcm[len(wave) : 2 * len(wave)], first)
-    assert np.array_equal(pcm[2 * len(wave) :], first[:8000])
