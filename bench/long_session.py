@@ -13,8 +13,10 @@ as fast as the server takes it (`burst`). When the conversation's audio passes e
 process's memory is sampled: its resident set (RSS, from the OS) and, for the services, MLX's active, cache and
 peak bytes from its /metrics. Per minute of --at, over the minute of frames before it: the interval between
 consecutive audio frames (p50/p95: the per-frame cost, what `burst` measures) and the duplex latency of
-orchestrator/latency.py (p50/p95/max: how far behind a live microphone, what `live` measures). Each row is also
-printed to stderr the moment it is taken, so a run stopped early (a time limit) still shows the minutes it reached.
+orchestrator/latency.py (p50/p95/max: how far behind a live microphone, what `live` measures; at `burst` the
+audio runs ahead of that schedule, so the latency and deadline misses are not reported: "-" in the table, null in
+the JSON). Each row is also printed to stderr the moment it is taken, so a run stopped early (a time limit) still
+shows the minutes it reached.
 
 Flat means a row at minute 60 reads like the row at minute 10: no interval or latency growth, and no memory
 growth once the attention caches reach their bound (a session's prompt plus --max-context positions; a frame
@@ -44,6 +46,8 @@ BOUNDED = ("llm", "tts")  # the services whose attention caches take --max-conte
 FRAMES_PER_MINUTE = round(60 / FRAME_S)
 MLX_KINDS = ("active", "cache", "peak")
 TAIL_S = 5.0  # audio past the last minute sampled
+# the figures measured against the live microphone's schedule: meaningless, so not reported, unless pace is live
+SCHEDULED = ("latency_p50_ms", "latency_p95_ms", "latency_max_ms", "deadline_misses")
 
 
 @dataclass
@@ -91,8 +95,9 @@ def service_memory(name: str, child: ServiceProcess) -> Memory:
     return Memory(rss_bytes(child.process.pid), **mlx)
 
 
-def window_figures(outcome: Outcome, end_frame: int, budget_s: float) -> dict[str, float | None]:
-    """Interval and latency figures (ms) of the minute of audio frames before `end_frame`."""
+def window_figures(outcome: Outcome, end_frame: int, budget_s: float, pace: str) -> dict[str, float | None]:
+    """Interval and latency figures (ms) of the minute of audio frames before `end_frame`; the SCHEDULED ones
+    None unless `pace` is live."""
     _, timings = replay(outcome.first_sent, outcome.arrivals, FRAME_S, budget_s)
     start = max(end_frame - FRAMES_PER_MINUTE, 0)
     window = timings[start:end_frame]
@@ -102,10 +107,13 @@ def window_figures(outcome: Outcome, end_frame: int, budget_s: float) -> dict[st
     def pick(values: list[float], q: float) -> float | None:
         return percentile(values, q) if values else None
 
-    return {"frames": len(window), "interval_p50_ms": pick(gaps, 0.5), "interval_p95_ms": pick(gaps, 0.95),
-            "latency_p50_ms": pick(latencies, 0.5), "latency_p95_ms": pick(latencies, 0.95),
-            "latency_max_ms": max(latencies) if latencies else None,
-            "deadline_misses": sum(t.late for t in window)}
+    figures = {"frames": len(window), "interval_p50_ms": pick(gaps, 0.5), "interval_p95_ms": pick(gaps, 0.95),
+               "latency_p50_ms": pick(latencies, 0.5), "latency_p95_ms": pick(latencies, 0.95),
+               "latency_max_ms": max(latencies) if latencies else None,
+               "deadline_misses": sum(t.late for t in window)}
+    if pace != "live":
+        figures.update(dict.fromkeys(SCHEDULED))
+    return figures
 
 
 async def converse(address: str, samples, pace: str, minutes: list[float], measure, budget_s: float,
@@ -124,7 +132,7 @@ async def converse(address: str, samples, pace: str, minutes: list[float], measu
         if outcome.frames >= due or task.done():
             memory = await asyncio.to_thread(measure)
             sample = Sample(pending.pop(0), outcome.frames, time.monotonic() - start, memory)
-            sample.figures = window_figures(outcome, sample.frames, budget_s)
+            sample.figures = window_figures(outcome, sample.frames, budget_s, pace)
             taken.append(sample)
             if progress is not None:
                 progress(sample)
