@@ -92,6 +92,17 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The full model's depth at the tiny widths: every layer and op of a frame, generated and stepped in seconds, so
+# the host's share of a step (Python, launches) can be measured on a CPU at many sessions (bench.service
+# --host-split).
+_FULL = VoiceChatConfig()
+PRESETS["deep"] = copy.deepcopy(PRESETS["tiny"])
+PRESETS["deep"]["text_config"].update(num_hidden_layers=_FULL.text_config.num_hidden_layers,
+                                      hybrid_override_pattern=_FULL.text_config.hybrid_override_pattern)
+PRESETS["deep"]["audio_config"]["encoder"]["n_layers"] = _FULL.audio_config.encoder.n_layers
+PRESETS["deep"]["tts_config"]["num_hidden_layers"] = _FULL.tts_config.num_hidden_layers
+
+
 def _merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():

@@ -261,3 +261,19 @@ def test_widen_stores_dense_weights_wider_and_leaves_the_outputs_alone():
     assert packed.weight.dtype == mx.uint32 and packed.scales.dtype == mx.float32
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, (dense(x), packed(x)), strict=True))
     assert widen(dense, mx.float32) == []  # already wide
+
+
+def test_the_deep_preset_has_the_full_depth_at_the_tiny_widths(tmp_path):
+    from services.common.config import VoiceChatConfig
+    from services.llm.engine import LanguageEngine
+
+    full, path = VoiceChatConfig(), write_checkpoint(tmp_path / "deep", "deep", 0, None)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg["text_config"]
+    assert text["num_hidden_layers"] == 56 == full.text_config.num_hidden_layers
+    assert text["hybrid_override_pattern"] == full.text_config.hybrid_override_pattern
+    assert cfg["audio_config"]["encoder"]["n_layers"] == full.audio_config.encoder.n_layers == 24
+    assert cfg["tts_config"]["num_hidden_layers"] == full.tts_config.num_hidden_layers == 28
+    assert text["hidden_size"] == 128 and cfg["tts_config"]["hidden_size"] == 128  # the tiny widths
+    kinds = "".join(block.kind for block in LanguageEngine.load(path).model.backbone.blocks)
+    assert kinds == full.text_config.hybrid_override_pattern  # every block loads, of its kind
