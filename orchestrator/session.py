@@ -23,6 +23,12 @@ events.
 Per frame the events are, in order: user_transcript_delta, assistant_text_delta, function_delta, the tool-call
 events of that function text (function_call_delta, function_call_done, function_call_error), audio.
 
+A text event's `text` is its channel's cumulative text. With `text_window` (characters) that holds while the text
+is at most text_window characters; past it `text` is the cumulative text from character `text_start` on (its last
+text_window characters, never starting inside the assistant channels' unsettled tail nor past the text the
+channel's previous event held), so an event's size stops growing with the conversation and a client rebuilds the
+whole text as `whole = whole[:text_start] + text`.
+
 With tools (orchestrator/tools.py) the system prompt lists them, the function channel is parsed into calls, and
 `submit_function_output` queues a call's output, whose tokens replace the function head's picks one per frame
 (each frame's forced id is taken when its language step is sent). Calls of the server's own tools (a ToolRunner)
@@ -43,7 +49,7 @@ from orchestrator.lockstep import FrameTicker
 from orchestrator.pending import Pending
 from orchestrator.profile import Clock, FrameTiming, MonotonicClock, Profile
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
-from orchestrator.text import TextDecoder, TokenAccumulator
+from orchestrator.text import TextDecoder, TokenAccumulator, text_start
 from orchestrator.timeline import SpeechInfo, replace_control_codes
 from orchestrator.tools import MAX_TOOLS, CallEvent, Tool, ToolChannel, check_distinct, render_system_prompt
 from services.common.config import VoiceChatConfig
@@ -72,7 +78,8 @@ class Event:
     frame_index: int
     token_id: int | None = None  # text and function deltas
     delta: str | None = None  # text, function and transcript deltas
-    text: str | None = None  # the channel's cumulative text (authoritative over the deltas)
+    text: str | None = None  # the channel's cumulative text (authoritative over the deltas) from text_start on
+    text_start: int = 0  # characters of the cumulative text left out before `text` (past the session's text_window)
     samples: np.ndarray | None = None  # audio: (1764,) float32 at 22.05 kHz
     audio_codes: np.ndarray | None = None  # audio: (31,) int32, control codes replaced (what the codec decoded)
     raw_codes: np.ndarray | None = None  # audio: (31,) int32 as generated and fed back
@@ -86,9 +93,12 @@ class Event:
     interval_s: float | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
-        """The non-array fields, as the golden's `meta.events` lists them."""
-        return {"kind": self.kind, "frame_index": self.frame_index, "token_id": self.token_id,
-                "delta": self.delta, "text": self.text}
+        """The non-array fields, as the golden's `meta.events` lists them (text_start only when text is windowed)."""
+        described = {"kind": self.kind, "frame_index": self.frame_index, "token_id": self.token_id,
+                     "delta": self.delta, "text": self.text}
+        if self.text_start:
+            described["text_start"] = self.text_start
+        return described
 
 
 @dataclass
@@ -152,13 +162,17 @@ class OnlineSession:
                  pipelined: bool = True, send_ahead: int = 2, profile: bool = False, record: bool = False,
                  on_event: Callable[[Event], None] | None = None, clock: Clock | None = None,
                  rnnt_vocabulary: list[str] | None = None, tools: list[Tool] | None = None,
-                 tool_choice: str = "auto", runner=None, ticker: FrameTicker | None = None):
+                 tool_choice: str = "auto", runner=None, ticker: FrameTicker | None = None,
+                 text_window: int | None = None):
         if max_streaming_seconds is not None and not max_streaming_seconds > 0:
             raise ValueError(f"max_streaming_seconds must be positive, got {max_streaming_seconds}")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         if send_ahead < 1:
             raise ValueError(f"send_ahead must be at least 1, got {send_ahead}")
+        if text_window is not None and text_window < 0:
+            raise ValueError(f"text_window must be a non-negative number of characters (0: unbounded), got "
+                             f"{text_window}")
         self.config = config
         self.sample_rate = config.input_sample_rate
         self.frame_samples = config.input_frame_samples
@@ -170,8 +184,10 @@ class OnlineSession:
         self.profile = Profile(config.frame_duration * 1000.0, pipelined) if profile else None
         self.records: list[FrameRecord] | None = [] if record else None
         self.on_event = on_event
-        self._text = TokenAccumulator(decoder)
-        self._function = TokenAccumulator(decoder)
+        self.text_window = text_window or None  # characters of a channel's text an event carries at least
+        self._text = TokenAccumulator(decoder, self.text_window)
+        self._function = TokenAccumulator(decoder, self.text_window)
+        self._transcript_sent = 0  # characters of the transcript the last transcript event held
         self._vocabulary = rnnt_vocabulary
         self._pending = np.zeros(0, np.float32)
         self._pushed = 0  # frames handed to the stages
@@ -407,14 +423,18 @@ class OnlineSession:
         events: list[Event] = []
         p = f.perceived
         if self._transcript_grew(p):
-            events.append(Event("user_transcript_delta", f.index, delta=p.transcript_delta, text=p.transcript))
+            start = text_start(len(p.transcript), self.text_window, self._transcript_sent)  # it grows at its end
+            events.append(Event("user_transcript_delta", f.index, delta=p.transcript_delta,
+                                text=p.transcript[start:], text_start=start))
+            self._transcript_sent = len(p.transcript)
         for kind, accumulator, token in (("assistant_text_delta", self._text, f.text_id),
                                          ("function_delta", self._function, f.function_id)):
-            update = accumulator.append(token)
+            update = accumulator.update(token)
             if update is not None:
-                events.append(Event(kind, f.index, token_id=token, delta=update[0], text=update[1]))
+                events.append(Event(kind, f.index, token_id=token, delta=update.delta, text=update.text,
+                                    text_start=update.start))
                 if kind == "function_delta" and self._tools is not None:
-                    events += self._call_events(self._tools.frame(update[0], f.forced), f.index)
+                    events += self._call_events(self._tools.frame(update.delta, f.forced), f.index)
         events.append(Event("audio", f.index, samples=f.audio, audio_codes=f.clean, raw_codes=f.raw))
         if self.records is not None:
             self.records.append(FrameRecord(p.encoder_out, p.audio_embedding, f.text_id, f.function_id, f.raw,

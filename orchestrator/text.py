@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -29,8 +30,26 @@ class TextDecoder:
 SETTLING_IDS = 16
 
 
+def text_start(length: int, window: int | None, kept: int) -> int:
+    """Where an event's text starts within a channel's text of `length` characters: 0 while the text is at most
+    `window` characters (None or 0: always), else its last `window` characters, but never past `kept`, the
+    characters the client already holds for good (so `whole[:start] + text` rebuilds the whole text)."""
+    if not window:
+        return 0
+    return min(kept, max(0, length - window))
+
+
+class TextUpdate(NamedTuple):
+    """One token's change to a channel's text, as its event carries it."""
+
+    delta: str
+    text: str  # the channel's text from character `start` on
+    start: int  # characters before `text`: the whole text is the previous whole text's first `start` + `text`
+
+
 class TokenAccumulator:
-    """Cumulative text of one channel; `append` gives (delta, text) or None for a hidden id.
+    """Cumulative text of one channel; `update` gives a TextUpdate or None for a hidden id (`append` the same as
+    (delta, whole text)).
 
     The delta is the new suffix when the cumulative decode extends the previous text, else the one-token
     decode (a tokenizer may revise a partial byte sequence; the cumulative text stays authoritative).
@@ -38,35 +57,73 @@ class TokenAccumulator:
     The text is `settled` (the text of every id before `tail`, final) plus the decode of `tail`, the last ids:
     ids leave the tail once decoding them apart from the newest SETTLING_IDS gives the same text as together (a
     character split across tokens, or a decoder that reads its neighbours, keeps them in it). So the text is
-    the decode of every id, at a cost per token that does not grow with the conversation.
+    the decode of every id, at a cost per token that does not grow with the conversation. Since `settled` only
+    grows by final text, the cumulative decode extends the previous text exactly when the tail's decode extends
+    the tail's previous one.
+
+    With a `window` (characters; None or 0: unbounded) an update's text is the whole text from `text_start(...)`
+    on: all of it while it is at most `window` characters, else its last `window` characters, never starting
+    inside the tail (which a later token may still revise). Then only the settled text's last characters are
+    kept at hand, so building an update costs the window's length, not the conversation's.
     """
 
-    def __init__(self, decoder: TextDecoder):
+    def __init__(self, decoder: TextDecoder, window: int | None = None):
+        if window is not None and window < 0:
+            raise ValueError(f"window must be a non-negative number of characters (0: unbounded), got {window}")
         self.decoder = decoder
-        self.settled = ""
+        self.window = window or None
         self.tail: list[int] = []
-        self.text = ""
+        self._tail_text = ""  # the decode of `tail`
+        self._earlier: list[str] = []  # windowed: the settled text before `_recent`, in pieces
+        self._recent = ""  # the settled text's end: all of it unbounded, else at least its last `window` characters
+        self._settled_length = 0
+
+    @property
+    def settled(self) -> str:
+        """The text of every id before the tail (final)."""
+        return "".join(self._earlier) + self._recent
+
+    @property
+    def text(self) -> str:
+        """The whole text so far."""
+        return self.settled + self._tail_text
 
     def append(self, token_id: int) -> tuple[str, str] | None:
+        """(delta, the whole text) for a shown id, None for a hidden one."""
+        update = self.update(token_id)
+        return None if update is None else (update.delta, self.text)
+
+    def update(self, token_id: int) -> TextUpdate | None:
+        """The id's delta and the text from the window's start on; None for a hidden id."""
         if token_id in self.decoder.hidden:
             return None
         self.tail.append(token_id)
         tail_text = self.decoder.decode(self.tail)
-        updated = self.settled + tail_text
-        if updated.startswith(self.text):
-            delta = updated[len(self.text):]
+        if tail_text.startswith(self._tail_text):
+            delta = tail_text[len(self._tail_text):]
         else:
             delta = self.decoder.decode([token_id])
-        self.text = updated
-        self._settle(tail_text)
-        return delta, updated
+        start = text_start(self._settled_length + len(tail_text), self.window, self._settled_length)
+        recent_start = self._settled_length - len(self._recent)
+        text = self._recent[start - recent_start:] + tail_text
+        self._tail_text = tail_text
+        self._settle()
+        return TextUpdate(delta, text, start)
 
-    def _settle(self, tail_text: str) -> None:
+    def _settle(self) -> None:
         """Move the tail's older ids into `settled` when their text is final (see the class)."""
         if len(self.tail) < 2 * SETTLING_IDS:
             return
         older, newest = self.tail[:-SETTLING_IDS], self.tail[-SETTLING_IDS:]
-        older_text = self.decoder.decode(older)
-        if older_text + self.decoder.decode(newest) == tail_text:
-            self.settled += older_text
-            self.tail = newest
+        older_text, newest_text = self.decoder.decode(older), self.decoder.decode(newest)
+        if older_text + newest_text == self._tail_text:
+            self.tail, self._tail_text = newest, newest_text
+            self._keep(older_text)
+
+    def _keep(self, settled: str) -> None:
+        self._settled_length += len(settled)
+        self._recent += settled
+        if self.window is not None and len(self._recent) > 2 * self.window:  # keep the last `window` at hand
+            cut = len(self._recent) - self.window
+            self._earlier.append(self._recent[:cut])
+            self._recent = self._recent[cut:]

@@ -3,6 +3,7 @@
 stream sends each frame's delta, its client summing them."""
 
 import numpy as np
+import pytest
 
 from orchestrator.stream_clients import GrpcPerceptionStream
 from orchestrator.text import SETTLING_IDS, TextDecoder, TokenAccumulator
@@ -50,6 +51,34 @@ def test_a_channels_text_is_the_decode_of_every_id_while_it_decodes_a_bounded_ta
         assert update == (delta, whole)  # what decoding every id each token gives
         longest = max(longest, len(accumulator.tail))
     assert len(kept) > 500 and longest < 2 * SETTLING_IDS  # the ids decoded per token stay bounded
+
+
+@pytest.mark.parametrize("window", [200, 8])  # 8: shorter than the tail's text, where the tail bounds the start
+def test_a_windowed_channel_rebuilds_the_whole_text_from_events_of_bounded_size(tiny_checkpoint, window):
+    decoder = TextDecoder(tiny_checkpoint, VoiceChatConfig.load(tiny_checkpoint))
+    vocab = decoder.tokenizer.get_vocab_size()
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, vocab, 3000)]
+    whole, windowed = TokenAccumulator(decoder), TokenAccumulator(decoder, window)
+    client, kept, starts = "", [], []
+    for token in ids:
+        settled = len(windowed.settled)  # before the token: what no later token revises
+        full, update = whole.update(token), windowed.update(token)
+        if token in decoder.hidden:
+            assert full is None and update is None
+            continue
+        kept.append(token)
+        assert full.start == 0 and update.delta == full.delta
+        if len(full.text) <= window:  # under the window: the event is the unbounded one
+            assert update == full
+        assert update.start == min(settled, max(0, len(full.text) - window))  # never inside the tail
+        assert update.start <= len(client)
+        assert len(update.text) <= window + (len(full.text) - settled)  # the window plus the tail's text
+        client = client[:update.start] + update.text
+        assert client == full.text
+        starts.append(update.start)
+    assert client == decoder.decode(kept) == windowed.text
+    assert len(client) > 10 * window and min(starts[-100:]) > 0  # far past the window
+    assert len(windowed._recent) <= 2 * window  # only the settled text's end is kept at hand
 
 
 class _Replies:

@@ -362,6 +362,53 @@ def test_token_accumulator_falls_back_to_the_single_token_decode():
     assert acc.append(41) == ("y41", "y4041")
 
 
+def windowed_run(transcripts, text_window):
+    """A session whose perception answers frame t with transcripts[t] (its delta: the new end)."""
+
+    class Perception:
+        def open(self):
+            class Stream:
+                index, before = 0, ""
+
+                def send_push(self, frame):
+                    transcript = transcripts[self.index]
+                    delta, self.before = transcript[len(self.before):], transcript
+                    self.index += 1
+                    return Pending.answered(PerceivedFrame(np.zeros(2, np.float32), np.zeros(3, np.float32), delta,
+                                                           transcript, [3] if delta else []))
+
+                def close(self):
+                    pass
+
+            return Stream()
+
+    base = make_clients(Log())
+    clients = StreamClients(Perception(), base.language, base.speech, base.codec)
+    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=False, text_window=text_window)
+    return s.push_audio(np.zeros(N * len(transcripts), np.float32)) + s.flush()
+
+
+def test_a_windowed_transcript_carries_its_last_characters_from_text_start():
+    transcripts = ["hel", "hel", "hello", "hello wor", "hello world", "hello world, and more"]
+    events = [e for e in windowed_run(transcripts, 5) if e.kind == "user_transcript_delta"]
+    # the last 5 characters, but never past the previous event's transcript (the last frame added 10 at once)
+    assert [(e.text_start, e.text, e.delta) for e in events] == [
+        (0, "hel", "hel"), (0, "hello", "lo"), (4, "o wor", " wor"), (6, "world", "ld"),
+        (11, ", and more", ", and more")]
+    assert [e.describe().get("text_start") for e in events] == [None, None, 4, 6, 11]
+    unbounded = [e for e in windowed_run(transcripts, 0) if e.kind == "user_transcript_delta"]
+    assert [(e.text_start, e.text) for e in unbounded] == [(0, t) for t in (transcripts[0], *transcripts[2:])]
+    text = [e for e in windowed_run(transcripts, 5) if e.kind == "assistant_text_delta"]
+    # four ids, all in the unsettled tail (a later id may still revise its text): the whole text each time
+    assert [(e.text_start, e.text) for e in text] == [(0, "<40>"), (0, "<40><41>"), (0, "<40><41><42>"),
+                                                      (0, "<40><41><42><40>")]
+
+
+def test_a_negative_text_window_is_refused():
+    with pytest.raises(ValueError, match="text_window must be a non-negative number of characters"):
+        session(text_window=-1)
+
+
 @pytest.mark.parametrize("send_ahead", [1, 2, 3])
 def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than_send_ahead(send_ahead):
     """Pipelined, the language stage's request for frame k + 1 reaches its service while frame k's answer is
