@@ -9,7 +9,7 @@
                                [--services ...] [--in-process]
     orchestrator serve [--port N] [--host H] [--max-sessions 4] [--model DIR] [--services ...] [--in-process]
                        [--metrics-port N] [--metrics-host H] [--latency-budget-ms MS] [--tools MODULE]
-                       [--tool-timeout S] [--api-key KEY] [--tls-cert PEM --tls-key PEM]
+                       [--tool-timeout S] [--api-key KEY] [--tls-cert PEM --tls-key PEM] [--text-window CHARS]
 
 Without service addresses the four services start as child processes on free local ports and stop when the
 command ends; `--in-process` runs the engines inside this process instead.
@@ -47,7 +47,7 @@ from orchestrator.realtime import OnlineSessionFactory, add_realtime_flags, serv
 from orchestrator.session import ContextLimitError, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import connect_streams
 from orchestrator.supervisor import Supervisor
-from orchestrator.text import TextDecoder
+from orchestrator.text import TextDecoder, add_text_window_flag, text_window_from_args
 from orchestrator.timeline import OfflineResult, append_silence, run_offline
 from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
@@ -111,6 +111,7 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-streaming-seconds", type=float, default=600.0,
                        help="upper bound on one conversation's input audio (default 600)")
     serve.add_argument("--sequential", action="store_true", help="run each session's stages without pipelining")
+    add_text_window_flag(serve)
     serve.add_argument("--drain-seconds", type=float, default=DEFAULT_GRACE_S,
                        help="on SIGTERM: new conversations are refused and running ones get this many seconds, then "
                             f"end with an error (default {DEFAULT_GRACE_S:g})")
@@ -363,6 +364,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--drain-seconds {args.drain_seconds}: must be zero or more")
     if args.frame_tick_ms < 0:
         raise UsageError(f"--frame-tick-ms {args.frame_tick_ms}: must be zero (off) or more")
+    text_window = text_window_from_args(args)
     runner = tool_runner(args)
     ticker = FrameTicker(args.frame_tick_ms / 1000.0) if args.frame_tick_ms else None
     if args.api_key == "":
@@ -383,13 +385,13 @@ def serve(args: argparse.Namespace) -> int:
             realtime = None
             if not args.no_realtime:
                 factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined,
-                                               runner=runner, ticker=ticker)
+                                               runner=runner, ticker=ticker, text_window=text_window)
                 realtime = server_from_args(args, factory, metrics)
             run_server(clients, model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                        max_streaming_seconds=args.max_streaming_seconds, pipelined=not args.sequential,
                        realtime=realtime, drain_seconds=args.drain_seconds, metrics=metrics,
                        metrics_server=exposition, runner=runner, ticker=ticker, api_key=args.api_key, tls=tls,
-                       supervisor=supervisor)
+                       supervisor=supervisor, text_window=text_window)
     finally:
         if exposition is not None:
             exposition.stop()

@@ -119,10 +119,11 @@ def event_to_proto(event: Event, sample_rate_hz: int) -> pb.ConverseResponse:
     kind = event.kind
     if kind == "user_transcript_delta":
         return pb.ConverseResponse(transcript=pb.TranscriptDelta(
-            frame_index=event.frame_index, delta=event.delta, transcript=event.text))
+            frame_index=event.frame_index, delta=event.delta, transcript=event.text,
+            transcript_start=event.text_start))  # 0 (the whole text) stays off the wire
     if kind in ("assistant_text_delta", "function_delta"):
         delta = pb.TextDelta(frame_index=event.frame_index, token_id=event.token_id, delta=event.delta,
-                             text=event.text)
+                             text=event.text, text_start=event.text_start)
         return pb.ConverseResponse(text=delta) if kind == "assistant_text_delta" else pb.ConverseResponse(
             function=delta)
     if kind == "audio":
@@ -182,7 +183,7 @@ def configured_tools(spec: pb.Configure) -> tuple[list[Tool], str]:
 class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
     def __init__(self, clients: StreamClients, model_dir: str | Path, *, max_sessions: int = 4,
                  max_streaming_seconds: float = 600.0, pipelined: bool = True, metrics: Metrics | None = None,
-                 runner=None, ticker=None, max_queued_frames: int = MAX_QUEUED_FRAMES):
+                 runner=None, ticker=None, max_queued_frames: int = MAX_QUEUED_FRAMES, text_window: int | None = None):
         self.clients = clients
         self.runner = runner  # a ToolRunner: the server's own tools, declared in every conversation
         self.ticker = ticker  # a FrameTicker shared by the conversations (--frame-tick-ms), or None
@@ -194,6 +195,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.admission = Admission(max_sessions)
         self.max_streaming_seconds = max_streaming_seconds
         self.pipelined = pipelined
+        self.text_window = text_window  # each session's (OnlineSession): None keeps every text event whole
         if max_queued_frames < 1:
             raise ValueError(f"max_queued_frames must be at least 1, got {max_queued_frames}")
         self.max_queued_frames = max_queued_frames  # a conversation's frames pushed and not yet out (module)
@@ -276,7 +278,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
                         OnlineSession, self.clients, self.config, self.decoder,
                         system_prompt=spec.system_prompt or None, seed=spec.seed, max_streaming_seconds=seconds,
                         pipelined=self.pipelined, on_event=deliver, rnnt_vocabulary=self.vocabulary, tools=tools,
-                        tool_choice=tool_choice, runner=self.runner, ticker=self.ticker)
+                        tool_choice=tool_choice, runner=self.runner, ticker=self.ticker, text_window=self.text_window)
                 except ServiceError as exc:
                     if not exc.refused_input:  # a service down or failing: this conversation cannot go on
                         yield _error(pb.ERROR_CODE_SERVICE_UNAVAILABLE, str(exc))
@@ -448,19 +450,20 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
                max_sessions: int = 4, max_streaming_seconds: float = 600.0, pipelined: bool = True,
                realtime=None, drain_seconds: float = DEFAULT_GRACE_S, metrics: Metrics | None = None,
                metrics_server: MetricsServer | None = None, runner=None, ticker=None, api_key: str | None = None,
-               tls: Tls | None = None, supervisor: Supervisor | None = None) -> None:
+               tls: Tls | None = None, supervisor: Supervisor | None = None, text_window: int | None = None) -> None:
     """Serve Converse until SIGTERM/SIGINT; prints `listening on HOST:PORT` once ready. A RealtimeServer given
     as `realtime` serves /v1/realtime on the same event loop for as long (it prints `realtime on URL`).
     `metrics` collects the conversations' metrics; a started `metrics_server` is announced after the ready line.
     With `api_key` every call needs `authorization: Bearer KEY` metadata; with `tls` the port speaks TLS.
     A `supervisor` of the services restarts one that dies; meanwhile health says NOT_SERVING and both front doors
-    refuse new conversations, naming the service.
+    refuse new conversations, naming the service. `text_window` bounds each conversation's text events
+    (OnlineSession's; None: whole).
 
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
     error saying the server is shutting down."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics,
-                                     runner=runner, ticker=ticker)
+                                     runner=runner, ticker=ticker, text_window=text_window)
 
     watching: list[asyncio.Task] = []
 

@@ -143,10 +143,11 @@ class OnlineSessionFactory:
     so a one-frame slice leaves the stages nothing to overlap, and a frame costs the sum of its four stages.
     pipelined=True (`--realtime-pipelined`) overlaps the stages across slices instead: the same events in the same
     order, each sent with the append (or commit) after its frame completes, so a client gets a frame's events one
-    append later, and a model that is slower than real time per frame but faster per stage keeps up."""
+    append later, and a model that is slower than real time per frame but faster per stage keeps up.
+    `text_window` bounds the sessions' text events (OnlineSession's; None: whole)."""
 
     def __init__(self, clients, model_dir: str | Path, *, model_id: str | None = None, pipelined: bool = False,
-                 runner=None, ticker=None):
+                 runner=None, ticker=None, text_window: int | None = None):
         from orchestrator.session import transcript_vocabulary
         from orchestrator.text import TextDecoder
         from services.common.config import VoiceChatConfig
@@ -162,6 +163,7 @@ class OnlineSessionFactory:
         self.pipelined = pipelined
         self.runner = runner  # a ToolRunner: the server's own tools, declared in every session
         self.ticker = ticker  # a FrameTicker shared with the server's other sessions (pipelined ones use it)
+        self.text_window = text_window
 
     def __call__(self, *, system_prompt: str | None, seed: int, max_streaming_seconds: float, tools=(),
                  tool_choice: str = "auto"):
@@ -170,7 +172,7 @@ class OnlineSessionFactory:
         return OnlineSession(self.clients, self.config, self.decoder, system_prompt=system_prompt, seed=seed,
                              max_streaming_seconds=max_streaming_seconds, pipelined=self.pipelined,
                              rnnt_vocabulary=self.vocabulary, tools=list(tools), tool_choice=tool_choice,
-                             runner=self.runner, ticker=self.ticker)
+                             runner=self.runner, ticker=self.ticker, text_window=self.text_window)
 
 
 # ------------------------------------------------------------------------------------------ wire formats
@@ -202,12 +204,15 @@ def encode_pcm16(samples: np.ndarray) -> str:
 def event_message(event, output_sample_rate: int) -> dict:
     """A session Event as its server event (without event_id)."""
     kind, frame = event.kind, {"frame_index": int(event.frame_index)}
+    # past the session's text window the text is the cumulative one from *_start on; within it the key is left out
+    start = int(event.text_start)
     if kind == "user_transcript_delta":
         return {"type": "conversation.item.input_audio_transcription.delta", **frame, "delta": event.delta,
-                "transcript": event.text}
+                "transcript": event.text, **({"transcript_start": start} if start else {})}
     if kind in ("assistant_text_delta", "function_delta"):
         name = "response.text.delta" if kind == "assistant_text_delta" else "response.function.delta"
-        return {"type": name, **frame, "token_id": int(event.token_id), "delta": event.delta, "text": event.text}
+        return {"type": name, **frame, "token_id": int(event.token_id), "delta": event.delta, "text": event.text,
+                **({"text_start": start} if start else {})}
     if kind == "audio":
         return {"type": "response.audio.delta", **frame, "delta": encode_pcm16(event.samples), "format": "pcm16",
                 "sample_rate": output_sample_rate, "channels": 1,
@@ -818,6 +823,7 @@ def _parse(frame: str | bytes) -> dict | str:
 
 def build_parser() -> argparse.ArgumentParser:
     from orchestrator.connect import add_connection_flags, add_failover_flags
+    from orchestrator.text import add_text_window_flag
 
     parser = argparse.ArgumentParser(prog="python -m orchestrator.realtime",
                                      description="Serve /v1/realtime alone (orchestrator serve runs it too).")
@@ -825,6 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_failover_flags(parser)
     parser.add_argument("--alias", default=None, help="model id session.updated reports (default: folder name)")
     add_realtime_flags(parser, port_flag="--port")
+    add_text_window_flag(parser)
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="on SIGTERM: new connections are refused and live sessions get this many seconds, then "
                              "end with server_shutting_down (default 5)")
@@ -879,6 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from orchestrator.connect import connection_from_args
     from orchestrator.model import resolve_model
     from orchestrator.stream_clients import connect_streams
+    from orchestrator.text import text_window_from_args
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -886,11 +894,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     exposition = None
     try:
         connection = connection_from_args(args)
+        text_window = text_window_from_args(args)
         model = resolve_model(args.model)
         exposition = start_from_args(metrics, args)  # a busy port fails before any service
         with connect_streams(model, **connection) as clients:
-            server = server_from_args(args, OnlineSessionFactory(clients, model, model_id=args.alias,
-                                                                     pipelined=args.realtime_pipelined), metrics)
+            factory = OnlineSessionFactory(clients, model, model_id=args.alias, pipelined=args.realtime_pipelined,
+                                           text_window=text_window)
+            server = server_from_args(args, factory, metrics)
 
             async def run() -> None:
                 stop = asyncio.Event()

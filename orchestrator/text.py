@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +24,27 @@ class TextDecoder:
     def decode(self, ids) -> str:
         kept = [int(i) for i in ids if int(i) not in self.hidden]
         return self.tokenizer.decode(kept, skip_special_tokens=False)
+
+
+# Characters of a channel's text a served session's text events carry whole (`--text-window`); docs/operations.md
+# (Long sessions) counts about 10 KB of transcript per 10 minutes of speech.
+DEFAULT_TEXT_WINDOW = 16384
+
+
+def add_text_window_flag(parser: argparse.ArgumentParser) -> None:
+    """`--text-window CHARS` for the commands that serve online sessions; read it with `text_window_from_args`."""
+    parser.add_argument("--text-window", type=int, default=DEFAULT_TEXT_WINDOW, metavar="CHARS",
+                        help="a text event carries its channel's whole text while that is at most CHARS characters, "
+                             "then its last CHARS from text_start on (docs/protocol.md); 0 = always the whole text "
+                             f"(default {DEFAULT_TEXT_WINDOW})")
+
+
+def text_window_from_args(args: argparse.Namespace) -> int | None:
+    """The sessions' text_window (None: unbounded); ValueError naming a negative value."""
+    if args.text_window < 0:
+        raise ValueError(f"--text-window {args.text_window}: must be 0 (every text event carries the whole text) or a "
+                         f"positive number of characters (default {DEFAULT_TEXT_WINDOW})")
+    return args.text_window or None
 
 
 # Ids a channel decodes again with each new one; older ones are settled text, so a token costs the same at any

@@ -177,26 +177,30 @@ class SessionReady(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., frame_samples: _Optional[int] = ..., output_sample_rate_hz: _Optional[int] = ..., input_sample_rate_hz: _Optional[int] = ...) -> None: ...
 
 class TranscriptDelta(_message.Message):
-    __slots__ = ("frame_index", "delta", "transcript")
+    __slots__ = ("frame_index", "delta", "transcript", "transcript_start")
     FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_START_FIELD_NUMBER: _ClassVar[int]
     frame_index: int
     delta: str
     transcript: str
-    def __init__(self, frame_index: _Optional[int] = ..., delta: _Optional[str] = ..., transcript: _Optional[str] = ...) -> None: ...
+    transcript_start: int
+    def __init__(self, frame_index: _Optional[int] = ..., delta: _Optional[str] = ..., transcript: _Optional[str] = ..., transcript_start: _Optional[int] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("frame_index", "token_id", "delta", "text")
+    __slots__ = ("frame_index", "token_id", "delta", "text", "text_start")
     FRAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_START_FIELD_NUMBER: _ClassVar[int]
     frame_index: int
     token_id: int
     delta: str
     text: str
-    def __init__(self, frame_index: _Optional[int] = ..., token_id: _Optional[int] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    text_start: int
+    def __init__(self, frame_index: _Optional[int] = ..., token_id: _Optional[int] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ..., text_start: _Optional[int] = ...) -> None: ...
 
 class AudioOut(_message.Message):
     __slots__ = ("frame_index", "samples", "audio_codes", "sample_rate_hz", "raw_codes")
