@@ -2,6 +2,7 @@
 
 Exact: every non-audio event (kind, frame, token id, delta, cumulative text, done), text and function ids and
 every audio event's codes; the streamed encoder frames, embeddings and audio within 1e-4 (they come out equal).
+With a text window the events' texts, stitched from their starts, are the reference's at every event.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 
 from orchestrator.local import LocalEngines
 from orchestrator.session import OnlineSession, transcript_vocabulary
-from orchestrator.text import TextDecoder
+from orchestrator.text import SETTLING_IDS, TextDecoder
 from services.common.config import VoiceChatConfig
 from tests.conftest import load_golden
 
@@ -27,10 +28,10 @@ def engines(tiny_checkpoint):
     engines.close()
 
 
-def stream(engines, waveform, chunk, *, prompt=None, pipelined=True, seed=0):
+def stream(engines, waveform, chunk, *, prompt=None, pipelined=True, seed=0, text_window=None):
     local, config, decoder, vocabulary = engines
     session = OnlineSession(local.clients(), config, decoder, system_prompt=prompt, seed=seed, pipelined=pipelined,
-                            record=True, rnnt_vocabulary=vocabulary)
+                            record=True, rnnt_vocabulary=vocabulary, text_window=text_window)
     events = []
     for start in range(0, len(waveform), chunk):
         events += session.push_audio(waveform[start : start + chunk])
@@ -103,3 +104,43 @@ def test_sessions_back_to_back_do_not_interact(engines, runs):
     _, seeded = stream(engines, golden["waveform"][: 1280 * 8], 1280, seed=7)
     codes = np.stack([e.audio_codes for e in seeded if e.kind == "audio"])
     assert codes.shape == (8, 31) and not np.array_equal(codes, golden["audio_codes"][:8])  # the seed matters
+
+
+TEXT_KINDS = ("user_transcript_delta", "assistant_text_delta", "function_delta")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_windowed_session_rebuilds_the_reference_texts_from_bounded_events(engines, runs, name):
+    golden, meta = load_golden(name)
+    window = 20
+    _, events = stream(engines, golden["waveform"], 1280, prompt=CASES[name], text_window=window)
+    unbounded = runs[name][1]
+    decoder = engines[2]
+    rebuilt, ids = dict.fromkeys(TEXT_KINDS, ""), {kind: [] for kind in TEXT_KINDS}
+    for got, whole in zip(events, unbounded, strict=True):
+        assert (got.kind, got.frame_index, got.token_id, got.delta) == (whole.kind, whole.frame_index,
+                                                                       whole.token_id, whole.delta)
+        if got.kind not in TEXT_KINDS:
+            continue
+        assert got.text_start <= len(rebuilt[got.kind])
+        rebuilt[got.kind] = rebuilt[got.kind][:got.text_start] + got.text
+        assert rebuilt[got.kind] == whole.text  # at every event, not only the last
+        if len(whole.text) <= window:
+            assert got.describe() == whole.describe()
+        # the window, or more when the start stays before the text's unsettled tail (fewer than 2 x SETTLING_IDS
+        # ids) or, in the transcript, before the frame's delta
+        ids[got.kind].append(got.token_id)
+        tail = len(got.delta) if got.token_id is None else len(decoder.decode(ids[got.kind][-2 * SETTLING_IDS:]))
+        assert len(got.text) <= max(window, tail)
+    assert (rebuilt["user_transcript_delta"], rebuilt["assistant_text_delta"], rebuilt["function_delta"]) == (
+        meta["transcript"], meta["text"], meta["function_text"])
+    assert min(len(meta[key]) for key in ("transcript", "text", "function_text")) > 4 * window  # well past it
+    assert sum(e.text_start > 0 for e in events) >= 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_window_longer_than_the_texts_changes_no_event(engines, runs, name):
+    golden, meta = load_golden(name)
+    _, events = stream(engines, golden["waveform"], 1280, prompt=CASES[name], text_window=10_000)
+    assert signature(events) == signature(runs[name][1])
+    assert [e.describe() for e in events if e.kind != "audio"] == meta["events"]
