@@ -182,7 +182,7 @@ def converse(replicas: Replicas, wave: np.ndarray, faults: dict | None = None, *
 
 def flat(events) -> list[tuple]:
     """Every field of every event, arrays as bytes: two runs are equal byte for byte when these are."""
-    return [(e.kind, e.frame_index, e.token_id, e.delta, e.text, e.message,
+    return [(e.kind, e.frame_index, e.token_id, e.delta, e.text, e.text_start, e.message,
              *(None if a is None else a.tobytes() for a in (e.samples, e.audio_codes, e.raw_codes))) for e in events]
 
 

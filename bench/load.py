@@ -181,7 +181,8 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
                 if kind == "ready":
                     ready.set()
                 elif kind == "transcript":
-                    outcome.transcript = response.transcript.transcript
+                    m = response.transcript  # from transcript_start on (0 within the server's --text-window)
+                    outcome.transcript = outcome.transcript[:m.transcript_start] + m.transcript
                 elif kind == "text":
                     outcome.text_ids.append(response.text.token_id)
                 elif kind == "function":
@@ -232,7 +233,7 @@ async def realtime_conversation(url: str, conversation: Conversation, *, pace: s
                     event = json.loads(frame)
                     kind = event["type"]
                     if kind == "conversation.item.input_audio_transcription.delta":
-                        outcome.transcript = event["transcript"]
+                        outcome.transcript = outcome.transcript[:event.get("transcript_start", 0)] + event["transcript"]
                     elif kind == "response.text.delta":
                         outcome.text_ids.append(event["token_id"])
                     elif kind == "response.function.delta":

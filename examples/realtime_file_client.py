@@ -44,7 +44,10 @@ def appends(samples: np.ndarray, chunk: int) -> list[dict]:
 
 
 class Answer:
-    """What the server said: the channels' cumulative texts, the audio frames, the errors."""
+    """What the server said: the channels' cumulative texts, the audio frames, the errors.
+
+    A text event carries its channel's text from `text_start` (`transcript_start`) on, absent while the text is
+    within the server's --text-window: each event's text replaces what the client holds from that character on."""
 
     def __init__(self, out=None):
         self.out = out or sys.stdout
@@ -58,13 +61,13 @@ class Answer:
         """Take one server event; True once the response is over (done, cancelled or server_busy)."""
         kind = event.get("type")
         if kind == "conversation.item.input_audio_transcription.delta":
-            self.transcript = event["transcript"]
+            self.transcript = self.transcript[:event.get("transcript_start", 0)] + event["transcript"]
         elif kind == "response.text.delta":
-            self.text = event["text"]
+            self.text = self.text[:event.get("text_start", 0)] + event["text"]
             self.out.write(event["delta"])
             self.out.flush()
         elif kind == "response.function.delta":
-            self.function = event["text"]
+            self.function = self.function[:event.get("text_start", 0)] + event["text"]
         elif kind == "response.audio.delta":
             self.audio.append(np.frombuffer(base64.b64decode(event["delta"]), "<i2"))
             self.sample_rate = event["sample_rate"]

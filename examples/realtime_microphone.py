@@ -199,10 +199,11 @@ class Display:
             pcm = np.frombuffer(base64.b64decode(event["delta"]), "<i2").astype(np.float32) / 32767.0
             self.ring.write(self.playback.process(pcm))
         elif kind == "conversation.item.input_audio_transcription.delta":
-            self.transcript = event["transcript"]
+            # the text from *_start on (absent within the server's --text-window) replaces what is held from there
+            self.transcript = self.transcript[:event.get("transcript_start", 0)] + event["transcript"]
             self._say("user", event["delta"])
         elif kind == "response.text.delta":
-            self.text = event["text"]
+            self.text = self.text[:event.get("text_start", 0)] + event["text"]
             self._say("assistant", event["delta"])
         elif kind == "response.function.delta":
             self._say("function", event["delta"])

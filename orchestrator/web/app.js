@@ -133,7 +133,7 @@ async function start() {
   resetView();
   setState("connecting");
   const c = call = {sentAt: [], sent: [], latencies: [], framesReceived: 0, answered: false, stopped: false,
-                     mic: null};
+                     mic: null, texts: {transcript: "", answer: "", function: ""}};
   // the speaker's AudioContext is made now, inside the click, so no autoplay policy holds it suspended
   const speaker = openSpeaker((report) => onPlayback(c, report));
   try {
@@ -185,6 +185,19 @@ function onChunk(c, chunk) {
   setStat("sentChunks", c.sentAt.length);
 }
 
+// A text event carries its channel's whole text, or past the server's --text-window the text from character
+// `start` on, which replaces what the page holds from there. The server counts characters as code points and a
+// JavaScript string counts UTF-16 units, so the held text is cut by code points.
+function stitch(held, text, start) {
+  if (!start) return text;
+  return Array.from(held).slice(0, start).join("") + text;
+}
+
+function showText(c, id, text, start) {
+  c.texts[id] = stitch(c.texts[id], text, start);
+  $(id).textContent = c.texts[id];
+}
+
 function onEvent(c, event) {
   switch (event.type) {
     case "session.created": {
@@ -199,13 +212,13 @@ function onEvent(c, event) {
       listen(c);
       break;
     case "conversation.item.input_audio_transcription.delta":
-      $("transcript").textContent = event.transcript;
+      showText(c, "transcript", event.transcript, event.transcript_start);
       break;
     case "response.text.delta":
-      $("answer").textContent = event.text;
+      showText(c, "answer", event.text, event.text_start);
       break;
     case "response.function.delta":
-      $("function").textContent = event.text;
+      showText(c, "function", event.text, event.text_start);
       break;
     case "response.function_call_arguments.done":
       showToolCall(event);

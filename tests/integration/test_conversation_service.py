@@ -326,3 +326,36 @@ def test_a_prompt_the_language_service_refuses_and_a_nan_limit_can_be_configured
     assert "Configure.max_streaming_seconds nan" in got[1][2]
     assert got[2] == ("ready",) and got[-1] == ("done", 1)
     assert stack.wait_idle() == {name: 0 for name in stack.live()}
+
+
+def test_a_windowed_conversation_rebuilds_the_reference_texts(stack, golden, tiny_checkpoint):
+    """A servicer with text_window=20 beside the stack's: the text messages past the window carry their start,
+    and the texts rebuilt from them are the reference's; bench.load's client rebuilds the transcript the same way
+    (tests/parity/test_online_parity.py bounds the events' size)."""
+    import asyncio as aio
+
+    from bench.load import Conversation, grpc_conversation
+
+    arrays, meta = golden
+    windowed = ConversationServicer(stack.clients, tiny_checkpoint, max_sessions=2, max_streaming_seconds=30.0,
+                                    text_window=20)
+    address = stack.run(stack._serve("windowed", registrations(windowed), [SERVICE_NAME], None))
+    with grpc.insecure_channel(address) as channel:
+        stub = conversation_pb2_grpc.ConversationServiceStub(channel)
+        responses = list(stub.Converse(iter([configure(seed=0), *chunks(arrays["waveform"]), flush()]), timeout=120))
+    held, starts = {"transcript": "", "text": "", "function": ""}, 0
+    for response in responses:
+        kind = response.WhichOneof("event")
+        if kind not in held:
+            continue
+        m = getattr(response, kind)
+        text, start = (m.transcript, m.transcript_start) if kind == "transcript" else (m.text, m.text_start)
+        assert start <= len(held[kind])
+        held[kind] = held[kind][:start] + text
+        starts += start > 0
+    assert (held["transcript"], held["text"], held["function"]) == (meta["transcript"], meta["text"],
+                                                                    meta["function_text"])
+    assert starts >= 40  # of about 110 text messages
+    talk = Conversation(arrays["waveform"], seed=0)
+    outcome = aio.run(grpc_conversation(address, talk, pace="burst"))
+    assert outcome.done and outcome.transcript == meta["transcript"], outcome.errors

@@ -125,10 +125,11 @@ def test_display_prints_both_sides_and_queues_audio_for_the_speaker():
         {"type": "conversation.item.input_audio_transcription.delta", "frame_index": 3, "delta": "What",
          "transcript": "What"},
         {"type": "conversation.item.input_audio_transcription.delta", "frame_index": 5, "delta": " is",
-         "transcript": "What is"},
+         "transcript": "t is", "transcript_start": 3},  # past a --text-window: the text from character 3 on
         {"type": "response.text.delta", "frame_index": 8, "token_id": 5, "delta": "Paris", "text": "Paris"},
         {"type": "response.function.delta", "frame_index": 8, "token_id": 6, "delta": "f()", "text": "f()"},
-        {"type": "response.text.delta", "frame_index": 9, "token_id": 7, "delta": ".", "text": "Paris."},
+        {"type": "response.text.delta", "frame_index": 9, "token_id": 7, "delta": ".", "text": "is.",
+         "text_start": 3},
     ]
     for frame in range(10):
         events.insert(0, {"type": "response.audio.delta", "frame_index": frame, "format": "pcm16", "channels": 1,

@@ -164,3 +164,40 @@ def test_pipelined_sessions_send_the_same_events_in_the_same_order(factory, wave
     _, events, code = asyncio.run(main())
     check_same(events, expected[0])
     assert code == 1000
+
+
+def test_a_windowed_session_sends_bounded_texts_that_the_file_client_rebuilds(factory, waveform, expected,
+                                                                               tiny_checkpoint, tmp_path):
+    windowed = OnlineSessionFactory(factory.clients, tiny_checkpoint, text_window=20)
+    out = tmp_path / "response_ws.wav"
+
+    async def main():
+        async with RealtimeServer(windowed) as server:
+            _, events, _ = await converse(server, waveform, 1280, seed=0)
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(ROOT / "examples" / "realtime_file_client.py"), server.url, str(QUESTION_WAV),
+                str(out), "--system-prompt", PROMPT, "--seed", "0", "--extra-seconds", str(EXTRA_SECONDS),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(ROOT))
+            stdout, stderr = await asyncio.wait_for(process.communicate(), 120)
+            return events, process.returncode, stdout.decode(), stderr.decode()
+
+    events, code, stdout, stderr = asyncio.run(main())
+    keys = {"conversation.item.input_audio_transcription.delta": ("transcript", "transcript_start"),
+            "response.text.delta": ("text", "text_start"), "response.function.delta": ("text", "text_start")}
+    wire = [e for e in events if e["type"] in keys]
+    reference = [e for e in expected[0] if e.kind in ("user_transcript_delta", "assistant_text_delta",
+                                                      "function_delta")]
+    held, windowed_events = dict.fromkeys(keys, ""), 0
+    for got, want in zip(wire, reference, strict=True):
+        text, start = keys[got["type"]]
+        assert start not in got or got[start] > 0  # the key only past the window
+        held[got["type"]] = held[got["type"]][:got.get(start, 0)] + got[text]
+        assert held[got["type"]] == want.text
+        windowed_events += start in got
+    assert windowed_events >= 10 and max(len(e.get("text", e.get("transcript"))) for e in wire) < 200
+    assert code == 0, stderr
+    text = next(e.text for e in reversed(reference) if e.kind == "assistant_text_delta")
+    transcript = next(e.text for e in reversed(reference) if e.kind == "user_transcript_delta")
+    assert len(transcript) > 20 and stdout.startswith(text + "\n") and f"\n[user] {transcript}\n" in stdout
+    function = next((e.text for e in reversed(reference) if e.kind == "function_delta"), "")
+    assert (f"[function] {function}\n" in stdout) == bool(function)
