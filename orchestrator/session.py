@@ -184,7 +184,7 @@ class OnlineSession:
         self.profile = Profile(config.frame_duration * 1000.0, pipelined) if profile else None
         self.records: list[FrameRecord] | None = [] if record else None
         self.on_event = on_event
-        self.text_window = text_window or None  # characters of a channel's text an event carries at least
+        self.text_window = text_window or None  # None: every text event carries its channel's whole text
         self._text = TokenAccumulator(decoder, self.text_window)
         self._function = TokenAccumulator(decoder, self.text_window)
         self._transcript_sent = 0  # characters of the transcript the last transcript event held
