@@ -100,6 +100,8 @@ class Outcome:
     audio: bytearray = field(default_factory=bytearray)  # PCM16 little-endian at 22.05 kHz
     errors: list[str] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each audio frame
+    received_bytes: int = 0  # every server message's size so far: protobuf bytes, or a WebSocket message's length
+    bytes_at: list[int] = field(default_factory=list)  # received_bytes as each audio frame arrived (its own included)
     first_sent: float | None = None  # monotonic time the first audio chunk went out
 
     @property
@@ -115,6 +117,7 @@ class Outcome:
         self.codes.append(tuple(int(c) for c in codes))
         self.audio += pcm16
         self.arrivals.append(now)
+        self.bytes_at.append(self.received_bytes)
 
 
 def conversations(samples: np.ndarray, count: int, seconds: float, system_prompt: str = "") -> list[Conversation]:
@@ -177,6 +180,7 @@ async def grpc_conversation(address: str, conversation: Conversation, *, pace: s
         call = conversation_pb2_grpc.ConversationServiceStub(channel).Converse(requests())
         try:
             async for response in call:
+                outcome.received_bytes += response.ByteSize()
                 kind = response.WhichOneof("event")
                 if kind == "ready":
                     ready.set()
@@ -230,6 +234,7 @@ async def realtime_conversation(url: str, conversation: Conversation, *, pace: s
             sender = asyncio.create_task(send())
             try:
                 async for frame in socket:
+                    outcome.received_bytes += len(frame)
                     event = json.loads(frame)
                     kind = event["type"]
                     if kind == "conversation.item.input_audio_transcription.delta":

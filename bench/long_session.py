@@ -2,8 +2,8 @@
 process's memory stay flat as the conversation ages.
 
     python -m bench.long_session --model DIR [--minutes 60] [--at 1,10,30,60] [--pace live|burst]
-                                 [--mps] [--max-context N] [--service-flags NAME=FLAGS] [--input WAV]
-                                 [--latency-budget-ms MS] [--json]
+                                 [--mps] [--max-context N] [--service-flags NAME=FLAGS] [--serve-flags FLAGS]
+                                 [--input WAV] [--latency-budget-ms MS] [--json]
 
 The four services run as child processes (each with --metrics-port 0; --max-context N, when given, goes to the
 language and speech services; --mps: they share the GPU through an MPS daemon), `orchestrator serve --services
@@ -15,12 +15,14 @@ peak bytes from its /metrics. Per minute of --at, over the minute of frames befo
 consecutive audio frames (p50/p95: the per-frame cost, what `burst` measures) and the duplex latency of
 orchestrator/latency.py (p50/p95/max: how far behind a live microphone, what `live` measures; at `burst` the
 audio runs ahead of that schedule, so the latency and deadline misses are not reported: "-" in the table, null in
-the JSON). Each row is also printed to stderr the moment it is taken, so a run stopped early (a time limit) still
+the JSON), and the bytes of server messages the client received a frame (KB/frm: the text events' share stops
+growing once a channel's text passes the server's --text-window; `--serve-flags "--text-window 0"` shows it
+unbounded). Each row is also printed to stderr the moment it is taken, so a run stopped early (a time limit) still
 shows the minutes it reached.
 
-Flat means a row at minute 60 reads like the row at minute 10: no interval or latency growth, and no memory
-growth once the attention caches reach their bound (a session's prompt plus --max-context positions; a frame
-adds one position to the language model and one to the speech backbone).
+Flat means a row at minute 60 reads like the row at minute 10: no interval, latency or KB/frm growth, and no
+memory growth once the attention caches reach their bound (a session's prompt plus --max-context positions; a
+frame adds one position to the language model and one to the speech backbone).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -107,10 +110,13 @@ def window_figures(outcome: Outcome, end_frame: int, budget_s: float, pace: str)
     def pick(values: list[float], q: float) -> float | None:
         return percentile(values, q) if values else None
 
+    before = outcome.bytes_at[start - 1] if start and len(outcome.bytes_at) >= start else 0
+    received = outcome.bytes_at[end_frame - 1] - before if window and len(outcome.bytes_at) >= end_frame else None
     figures = {"frames": len(window), "interval_p50_ms": pick(gaps, 0.5), "interval_p95_ms": pick(gaps, 0.95),
                "latency_p50_ms": pick(latencies, 0.5), "latency_p95_ms": pick(latencies, 0.95),
                "latency_max_ms": max(latencies) if latencies else None,
-               "deadline_misses": sum(t.late for t in window)}
+               "deadline_misses": sum(t.late for t in window),
+               "received_kb_per_frame": None if received is None else received / len(window) / 1e3}
     if pace != "live":
         figures.update(dict.fromkeys(SCHEDULED))
     return figures
@@ -142,9 +148,10 @@ async def converse(address: str, samples, pace: str, minutes: list[float], measu
 
 
 def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]], samples,
-        budget_s: float, progress=None, mps: bool = False) -> tuple[Outcome, list[Sample]]:
-    """Start the services (sharing the GPU through an MPS daemon with `mps`) and the orchestrator, hold the
-    conversation, stop them all."""
+        budget_s: float, progress=None, mps: bool = False,
+        serve_flags: list[str] | None = None) -> tuple[Outcome, list[Sample]]:
+    """Start the services (sharing the GPU through an MPS daemon with `mps`) and the orchestrator (with
+    `serve_flags` besides its own), hold the conversation, stop them all."""
     served: list[subprocess.Popen] = []
     service_flags = {name: ["--metrics-port", "0", *flags.get(name, [])] for name in NETWORK}
     with launched(model, NETWORK, service_flags, mps=mps) as children:
@@ -160,20 +167,21 @@ def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]
             memory["orchestrator"] = Memory(rss_bytes(served[0].pid))
             return memory
 
-        with orchestrator(model, 1, ["--services", addresses, "--max-streaming-seconds", str(seconds)],
-                          served) as (address, _):
+        with orchestrator(model, 1, ["--services", addresses, "--max-streaming-seconds", str(seconds),
+                                     *(serve_flags or [])], served) as (address, _):
             outcome, taken = asyncio.run(converse(address, samples, pace, minutes, measure, budget_s, progress))
     return outcome, taken
 
 
 HEADER = (f"{'minute':>6} {'frames':>7} {'wall s':>7} {'int p50':>8} {'int p95':>8} {'lat p50':>8} {'lat p95':>8} "
-          f"{'lat max':>8}   memory MB (rss / mlx active / mlx peak)")
+          f"{'lat max':>8} {'KB/frm':>8}   memory MB (rss / mlx active / mlx peak)")
 
 
 def sample_row(s: Sample) -> str:
     f = s.figures
     cells = " ".join("       -" if f.get(k) is None else f"{f[k]:8.1f}" for k in
-                     ("interval_p50_ms", "interval_p95_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms"))
+                     ("interval_p50_ms", "interval_p95_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms",
+                      "received_kb_per_frame"))
     memory = "  ".join(f"{name} {_mb(m.rss)}" + ("" if m.active is None else f"/{_mb(m.active)}/{_mb(m.peak)}")
                        for name, m in s.memory.items())
     return f"{s.minute:6g} {s.frames:7d} {s.wall_s:7.1f} {cells}   {memory}"
@@ -201,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--max-context for the language and speech services (default theirs)")
     parser.add_argument("--service-flags", action="append", default=[], metavar="NAME=FLAGS",
                         help="extra flags for a service (NAME one of the four or all), repeatable")
+    parser.add_argument("--serve-flags", default="", metavar="FLAGS",
+                        help="extra flags for `orchestrator serve`, one string (e.g. \"--text-window 0\")")
     parser.add_argument("--input", type=Path, default=EXAMPLE, help="speech to loop (default the bundled question)")
     parser.add_argument("--mps", action="store_true",
                         help="the services share the GPU through a CUDA MPS daemon started for them (NVIDIA only)")
@@ -228,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     # each row also goes to stderr when it is taken: a run cut short by a time limit keeps the rows it reached
     print(HEADER, file=sys.stderr, flush=True)
     outcome, taken = run(args.model, at_end, args.pace, flags, samples, args.latency_budget_s,
-                         lambda sample: print(sample_row(sample), file=sys.stderr, flush=True), args.mps)
+                         lambda sample: print(sample_row(sample), file=sys.stderr, flush=True), args.mps,
+                         shlex.split(args.serve_flags))
     ok = outcome.done and not outcome.errors and not outcome.lost
     if args.json:
         print(json.dumps({"minutes": minutes, "pace": args.pace, "max_context": args.max_context,

@@ -43,6 +43,7 @@ def _row(figures: dict) -> list[str]:
 def test_live_pace_reports_latency_against_the_live_schedule():
     # frame i due at 10.0 + i x 80 ms: latencies 50, 120, 240 ms; intervals 150, 200 ms; one past the 200 ms budget
     figures = window_figures(_three_frames(10.05, 10.2, 10.4), 3, budget_s=0.2, pace="live")
+    assert figures.pop("received_kb_per_frame") is None  # frames added without their bytes
     assert figures == pytest.approx({"frames": 3, "interval_p50_ms": 175.0, "interval_p95_ms": 197.5,
                                      "latency_p50_ms": 120.0, "latency_p95_ms": 228.0, "latency_max_ms": 240.0,
                                      "deadline_misses": 1})
@@ -64,3 +65,19 @@ def test_burst_pace_reports_intervals_but_no_latency():
 def test_rss_reads_this_process():
     rss = rss_bytes(os.getpid())
     assert rss is not None and 10 * 2**20 < rss < 64 * 2**30
+
+
+def test_received_bytes_a_frame_cover_the_minute_before_the_mark():
+    # every frame's messages are 1000 bytes in the first minute, then 1000 + 10 x k bytes for its k-th frame after
+    outcome, total = Outcome("grpc", first_sent=10.0), 0
+    for i in range(2 * FRAMES_PER_MINUTE):
+        total += 1000 + (10 * (i - FRAMES_PER_MINUTE) if i >= FRAMES_PER_MINUTE else 0)
+        outcome.received_bytes = total
+        outcome.add_audio([0], b"", 10.1 + 0.08 * i)
+    first = window_figures(outcome, FRAMES_PER_MINUTE, budget_s=0.2, pace="burst")
+    assert first["received_kb_per_frame"] == pytest.approx(1.0)
+    second = window_figures(outcome, 2 * FRAMES_PER_MINUTE, budget_s=0.2, pace="burst")
+    # mean of 1000 + 10 k over k = 0 .. 749: 1000 + 5 x 749 bytes
+    assert second["received_kb_per_frame"] == pytest.approx((1000 + 5 * (FRAMES_PER_MINUTE - 1)) / 1e3)
+    sample = Sample(2.0, second["frames"], 1.0, {"orchestrator": Memory(2**20)}, second)
+    assert sample_row(sample).split()[8] == f"{(1000 + 5 * (FRAMES_PER_MINUTE - 1)) / 1e3:.1f}"
