@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 from orchestrator.admission import BUSY, UNAVAILABLE, Admission, Refusal, Slot
 from orchestrator.clients import ServiceError
 from orchestrator.latency import LatencyTracker
-from orchestrator.session import ContextLimitError, Event, OnlineSession, transcript_vocabulary
+from orchestrator.session import MAX_FRAMES_AHEAD, ContextLimitError, Event, OnlineSession, transcript_vocabulary
 from orchestrator.stream_clients import StreamClients
 from orchestrator.supervisor import Supervisor
 from orchestrator.text import TextDecoder
@@ -61,7 +61,7 @@ from services.common.tensors import from_proto_np, to_proto_np
 log = logging.getLogger(__name__)
 SERVICE_NAME = full_service_name(pb, "ConversationService")
 TERMINAL_HOLD_S = 1.0  # how long Done/Cancelled waits for the client to half-close (errors for late messages)
-MAX_QUEUED_FRAMES = 25  # 2 s of frames in a conversation's pipeline or waiting for its client, then its audio waits
+MAX_QUEUED_FRAMES = MAX_FRAMES_AHEAD  # frames in a conversation's pipeline or waiting for its client; then audio waits
 _READER_DONE = object()
 
 

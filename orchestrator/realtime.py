@@ -677,7 +677,7 @@ class _Connection:
         n = self.factory.frame_samples
         for start in range(0, max(len(samples), 1), n):  # an empty append still reaches the rate check
             try:
-                messages = await self._run(self.session.push_audio, samples[start : start + n], rate)
+                messages = await self._run(self._push, samples[start : start + n], rate)
             except Exception as exc:  # noqa: BLE001 - the loop goes on; the append stops at this slice
                 log.info("realtime %s: append failed: %s", self.id, _describe(exc))
                 await self.error(INFERENCE_ERROR, _describe(exc))
@@ -687,6 +687,15 @@ class _Connection:
                                                      f"({self.failure}); commit to end it, then open a new connection")
                 return
             await self.send_all(messages)
+
+    def _push(self, samples: np.ndarray, rate: int) -> list:
+        """One slice into the session (on the worker). A pipelined session queues its frames without running them,
+        so this then waits while more than MAX_FRAMES_AHEAD of them are in the stages: a client that sends audio
+        ahead of real time is read no faster than the session runs, and what it sent waits in its socket, not
+        here (a sequential session has run the slice's frames already: no wait)."""
+        from orchestrator.session import MAX_FRAMES_AHEAD
+
+        return self.session.push_audio(samples, rate) + self.session.wait_behind(MAX_FRAMES_AHEAD)
 
     async def create_item(self, item: Any) -> None:
         """A function_call_output: queued for the function channel; conversation.item.created confirms it."""

@@ -55,6 +55,10 @@ from orchestrator.tools import MAX_TOOLS, CallEvent, Tool, ToolChannel, check_di
 from services.common.config import VoiceChatConfig
 from services.perception.vocabulary import is_special_piece, load_vocabulary
 
+# Frames a pipelined session's caller lets run ahead of their events (2 s): a front door that takes audio faster
+# than real time waits past it (`wait_behind`), so what a conversation holds in the server stays bounded.
+MAX_FRAMES_AHEAD = 25
+
 EVENT_KINDS = ("user_transcript_delta", "assistant_text_delta", "function_delta", "function_call_delta",
                "function_call_done", "function_call_error", "function_call_output", "audio", "done", "cancelled",
                "error")
@@ -195,6 +199,7 @@ class OnlineSession:
         self._last_completion: float | None = None
         self._ready: list[Event] = []
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # notified as frames complete and on a failure
         self._error: BaseException | None = None
         self._failed_at: int | None = None  # the first frame a stage failed on
         self._cancelled = threading.Event()
@@ -312,6 +317,22 @@ class OnlineSession:
             self._output(call_id, output)
         except ValueError as exc:  # the queue is full
             self._emit([Event("function_call_error", self._completed, call_id=call_id, message=str(exc))])
+
+    def wait_behind(self, frames: int, poll_s: float = 0.1) -> list[Event]:
+        """Wait while more than `frames` of the frames pushed are still in the stages; returns the events ready then.
+
+        The pipelined mode queues pushed frames without waiting, so a caller whose audio comes faster than the
+        session runs (a client sending ahead of real time) calls this after each push to hold its input back
+        instead of queueing it without bound. Raises the session's failure as push_audio does; returns at once
+        in the sequential mode (a push runs its frames) and once the session is cancelled or closed."""
+        if frames < 0:
+            raise ValueError(f"frames must be zero or more, got {frames}")
+        with self._progress:
+            while (self._pushed - self._completed > frames and self._error is None and not self.closed
+                   and not self._cancelled.is_set()):
+                self._progress.wait(poll_s)  # the poll: a cancel or close does not notify
+        self._raise_failure()
+        return self._take_ready()
 
     def drain(self) -> list[Event]:
         """Wait until every frame pushed so far has emitted its events; returns those ready."""
@@ -448,6 +469,8 @@ class OnlineSession:
         self._last_completion = done
         self._completed = f.index + 1
         self._emit(events)
+        with self._progress:
+            self._progress.notify_all()
 
     def _call_events(self, calls: list[CallEvent], frame_index: int) -> list[Event]:
         """The parser's call events as session events; a completed call of a server tool starts running."""
@@ -580,9 +603,10 @@ class OnlineSession:
 
     def _fail(self, exc: BaseException, frame_index: int | None = None) -> None:
         index = self._pushed if frame_index is None else frame_index
-        with self._lock:
+        with self._progress:
             if self._failed_at is None or index < self._failed_at:  # the earliest frame's failure wins
                 self._error, self._failed_at = exc, index
+            self._progress.notify_all()
 
     def _raise_failure(self) -> None:
         if self._error is not None:

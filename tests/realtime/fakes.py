@@ -73,6 +73,9 @@ class FakeSession:
             self.pending = pending
         return events
 
+    def wait_behind(self, frames):
+        return []  # every push runs its frames at once
+
     def flush(self, pad_partial=True):
         if self.closed:
             return []

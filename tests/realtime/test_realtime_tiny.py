@@ -201,3 +201,36 @@ def test_a_windowed_session_sends_bounded_texts_that_the_file_client_rebuilds(fa
     assert len(transcript) > 20 and stdout.startswith(text + "\n") and f"\n[user] {transcript}\n" in stdout
     function = next((e.text for e in reversed(reference) if e.kind == "function_delta"), "")
     assert (f"[function] {function}\n" in stdout) == bool(function)
+
+
+def test_a_pipelined_session_takes_audio_sent_at_once_no_faster_than_it_runs(factory, waveform, expected,
+                                                                            tiny_checkpoint, monkeypatch):
+    """The whole question in one append: the gateway pushes its frames one by one, each time waiting while more
+    than MAX_FRAMES_AHEAD (3 here) are still in the stages, and the events are the reference's."""
+    monkeypatch.setattr("orchestrator.session.MAX_FRAMES_AHEAD", 3)
+    pipelined = OnlineSessionFactory(factory.clients, tiny_checkpoint, pipelined=True)
+    ahead: list[int] = []
+
+    def watched(**options):
+        session = pipelined(**options)
+        push = session.push_audio
+
+        def push_audio(samples, sample_rate=16_000):
+            events = push(samples, sample_rate)
+            ahead.append(session.frames_pushed - session.frame_index)  # frames in the stages after this push
+            return events
+
+        session.push_audio = push_audio
+        return session
+
+    for name in ("model_id", "frame_samples", "input_sample_rate", "output_sample_rate"):
+        setattr(watched, name, getattr(pipelined, name))
+
+    async def main():
+        async with RealtimeServer(watched) as server:
+            return await converse(server, waveform, len(waveform), seed=0)
+
+    _, events, code = asyncio.run(main())
+    check_same(events, expected[0])
+    assert code == 1000
+    assert len(ahead) >= len(waveform) // 1280 and max(ahead) <= 4

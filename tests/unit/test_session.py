@@ -455,3 +455,56 @@ def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than
     assert language.next_sent_first == ([True] * 6 if send_ahead > 1 else [False] * 6) + [False]
     assert min(send_ahead, 2) <= language.outstanding_seen <= send_ahead
     assert comparable(events) == comparable(run(WAVE, N, pipelined=False))
+
+
+def test_wait_behind_holds_the_caller_until_the_frames_in_the_stages_are_few_enough():
+    log = Log()
+    clients = make_clients(log)
+    released = threading.Semaphore(0)
+    opened = clients.codec.open_stream
+
+    def held_stream():
+        stream = opened()
+        decode = stream.decode
+
+        def send_decode(codes):
+            def answer():
+                released.acquire()  # the codec answers a frame only when the test lets it
+                return decode(codes)
+
+            return Pending(answer)
+
+        stream.send_decode = send_decode
+        return stream
+
+    clients.codec.open_stream = held_stream
+    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True)
+    assert s.push_audio(WAVE) == [] and s.frames_pushed == 6  # queued, none through the codec yet
+    returned: list = []
+    waiter = threading.Thread(target=lambda: returned.append(s.wait_behind(2)))
+    waiter.start()
+    for _ in range(3):
+        released.release()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # 3 done, 3 still in the stages: more than 2
+    released.release()
+    waiter.join(5)
+    assert not waiter.is_alive() and s.frame_index >= 4
+    audio = [e.frame_index for e in returned[0] if e.kind == "audio"]
+    assert audio == list(range(len(audio))) and len(audio) >= 4  # the events ready when it returned
+    for _ in range(10):
+        released.release()
+    assert [e.frame_index for e in s.flush() if e.kind == "audio"] == list(range(len(audio), 7))
+    with pytest.raises(ValueError, match="zero or more"):
+        s.wait_behind(-1)
+
+
+def test_wait_behind_returns_at_once_in_the_sequential_mode_and_raises_a_stage_failure():
+    s = session(pipelined=False)
+    events = s.push_audio(WAVE)
+    assert s.wait_behind(0) == [] and len([e for e in events if e.kind == "audio"]) == 6
+    failing = session(pipelined=True, fail_at={"tts": 2})
+    failing.push_audio(WAVE)
+    with pytest.raises(ServiceError, match="tts service"):
+        failing.wait_behind(0)
+    assert failing.closed
