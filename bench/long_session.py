@@ -55,12 +55,14 @@ SCHEDULED = ("latency_p50_ms", "latency_p95_ms", "latency_max_ms", "deadline_mis
 
 @dataclass
 class Memory:
-    """One process's memory at a moment, bytes: rss from the OS; the MLX counters from a service's /metrics."""
+    """One process's memory at a moment, bytes: rss from the OS; the MLX counters from a service's /metrics;
+    the orchestrator's thread count (each thread may allocate from a malloc arena of its own)."""
 
     rss: float | None
     active: float | None = None
     cache: float | None = None
     peak: float | None = None
+    threads: int | None = None
 
 
 @dataclass
@@ -73,6 +75,17 @@ class Sample:
     wall_s: float
     memory: dict[str, Memory]
     figures: dict[str, float | None] = field(default_factory=dict)
+
+
+def thread_count(pid: int) -> int | None:
+    """A process's threads (Linux /proc); None elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def rss_bytes(pid: int) -> float | None:
@@ -164,7 +177,7 @@ def run(model: Path, minutes: list[float], pace: str, flags: dict[str, list[str]
 
         def measure() -> dict[str, Memory]:
             memory = {name: service_memory(name, child) for name, child in services.items()}
-            memory["orchestrator"] = Memory(rss_bytes(served[0].pid))
+            memory["orchestrator"] = Memory(rss_bytes(served[0].pid), threads=thread_count(served[0].pid))
             return memory
 
         with orchestrator(model, 1, ["--services", addresses, "--max-streaming-seconds", str(seconds),
@@ -183,7 +196,7 @@ def sample_row(s: Sample) -> str:
                      ("interval_p50_ms", "interval_p95_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms",
                       "received_kb_per_frame"))
     memory = "  ".join(f"{name} {_mb(m.rss)}" + ("" if m.active is None else f"/{_mb(m.active)}/{_mb(m.peak)}")
-                       for name, m in s.memory.items())
+                       + ("" if m.threads is None else f" ({m.threads} threads)") for name, m in s.memory.items())
     return f"{s.minute:6g} {s.frames:7d} {s.wall_s:7.1f} {cells}   {memory}"
 
 

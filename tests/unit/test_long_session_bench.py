@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from bench.load import Outcome
-from bench.long_session import FRAMES_PER_MINUTE, Memory, Sample, rss_bytes, sample_row, window_figures
+from bench.long_session import FRAMES_PER_MINUTE, Memory, Sample, rss_bytes, sample_row, thread_count, window_figures
 
 
 def test_the_figures_cover_the_minute_of_frames_before_the_mark():
@@ -81,3 +81,20 @@ def test_received_bytes_a_frame_cover_the_minute_before_the_mark():
     assert second["received_kb_per_frame"] == pytest.approx((1000 + 5 * (FRAMES_PER_MINUTE - 1)) / 1e3)
     sample = Sample(2.0, second["frames"], 1.0, {"orchestrator": Memory(2**20)}, second)
     assert sample_row(sample).split()[8] == f"{(1000 + 5 * (FRAMES_PER_MINUTE - 1)) / 1e3:.1f}"
+
+
+def test_thread_count_reads_this_process_and_the_row_shows_it():
+    import threading
+
+    release = threading.Event()
+    extra = [threading.Thread(target=release.wait) for _ in range(3)]
+    for thread in extra:
+        thread.start()
+    try:  # the main thread and these three at least (other tests' library threads may come and go meanwhile)
+        assert thread_count(os.getpid()) >= 4
+    finally:
+        release.set()
+        for thread in extra:
+            thread.join()
+    sample = Sample(1.0, 3, 1.0, {"orchestrator": Memory(2**20, threads=7)}, {"frames": 3})
+    assert sample_row(sample).endswith("orchestrator 1 (7 threads)")
