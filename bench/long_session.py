@@ -77,25 +77,28 @@ class Sample:
     figures: dict[str, float | None] = field(default_factory=dict)
 
 
-def thread_count(pid: int) -> int | None:
-    """A process's threads (Linux /proc); None elsewhere."""
+def _status_number(pid: int, key: str) -> float | None:
+    """The first number of the `key:` line of a process's /proc status (Linux); None when it cannot be read."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
+            if line.startswith(f"{key}:"):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
         pass
     return None
 
 
+def thread_count(pid: int) -> int | None:
+    """A process's threads (Linux /proc); None elsewhere."""
+    threads = _status_number(pid, "Threads")
+    return None if threads is None else int(threads)
+
+
 def rss_bytes(pid: int) -> float | None:
     """A process's resident set in bytes (Linux /proc, else `ps`); None when it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    kib = _status_number(pid, "VmRSS")
+    if kib is not None:
+        return kib * 1024
     try:
         out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True, check=True)
         return float(out.stdout.strip()) * 1024
