@@ -318,7 +318,7 @@ class OnlineSession:
         except ValueError as exc:  # the queue is full
             self._emit([Event("function_call_error", self._completed, call_id=call_id, message=str(exc))])
 
-    def wait_behind(self, frames: int, poll_s: float = 0.1) -> list[Event]:
+    def wait_behind(self, frames: int) -> list[Event]:
         """Wait while more than `frames` of the frames pushed are still in the stages; returns the events ready then.
 
         The pipelined mode queues pushed frames without waiting, so a caller whose audio comes faster than the
@@ -330,7 +330,7 @@ class OnlineSession:
         with self._progress:
             while (self._pushed - self._completed > frames and self._error is None and not self.closed
                    and not self._cancelled.is_set()):
-                self._progress.wait(poll_s)  # the poll: a cancel or close does not notify
+                self._progress.wait()  # notified as a frame completes, on a failure, a cancel and a close
         self._raise_failure()
         return self._take_ready()
 
@@ -358,7 +358,7 @@ class OnlineSession:
                 self._wait()
                 raise
         self._stop_workers()
-        self.closed = True
+        self._set_closed()
         self._close_streams()
         self._raise_failure()
         if self._tools is not None:
@@ -373,7 +373,7 @@ class OnlineSession:
         self._cancelled.set()
         self._pending = np.zeros(0, np.float32)
         self._stop_workers()
-        self.closed = True
+        self._set_closed()
         self._close_streams()
         self._emit([Event("cancelled", self._completed)])
         return self._take_ready()
@@ -382,8 +382,14 @@ class OnlineSession:
         """Free every service session now (a vanished client); no event. Idempotent."""
         self._cancelled.set()
         self._stop_workers()
-        self.closed = True
+        self._set_closed()
         self._close_streams()
+
+    def _set_closed(self) -> None:
+        """Closed: a caller held in wait_behind goes on."""
+        with self._progress:
+            self.closed = True
+            self._progress.notify_all()
 
     def __enter__(self) -> OnlineSession:
         return self

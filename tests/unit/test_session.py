@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -457,7 +458,8 @@ def test_a_stage_sends_the_next_frame_before_the_last_answer_and_never_more_than
     assert comparable(events) == comparable(run(WAVE, N, pipelined=False))
 
 
-def test_wait_behind_holds_the_caller_until_the_frames_in_the_stages_are_few_enough():
+def held_codec_session() -> tuple[OnlineSession, threading.Semaphore]:
+    """A pipelined session whose codec answers a frame only when the test releases the semaphore once."""
     log = Log()
     clients = make_clients(log)
     released = threading.Semaphore(0)
@@ -478,7 +480,11 @@ def test_wait_behind_holds_the_caller_until_the_frames_in_the_stages_are_few_eno
         return stream
 
     clients.codec.open_stream = held_stream
-    s = OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True)
+    return OnlineSession(clients, CONFIG, FakeDecoder(), clock=FakeClock(), pipelined=True), released
+
+
+def test_wait_behind_holds_the_caller_until_the_frames_in_the_stages_are_few_enough():
+    s, released = held_codec_session()
     assert s.push_audio(WAVE) == [] and s.frames_pushed == 6  # queued, none through the codec yet
     returned: list = []
     waiter = threading.Thread(target=lambda: returned.append(s.wait_behind(2)))
@@ -497,6 +503,27 @@ def test_wait_behind_holds_the_caller_until_the_frames_in_the_stages_are_few_eno
     assert [e.frame_index for e in s.flush() if e.kind == "audio"] == list(range(len(audio), 7))
     with pytest.raises(ValueError, match="zero or more"):
         s.wait_behind(-1)
+
+
+@pytest.mark.parametrize("end", ["cancel", "close"])
+def test_wait_behind_lets_the_caller_go_when_the_session_is_cancelled_or_closed(end):
+    s, released = held_codec_session()
+    s.push_audio(WAVE)
+    returned: list = []
+    waiter = threading.Thread(target=lambda: returned.append(s.wait_behind(0)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # six frames held in the stages
+    ender = threading.Thread(target=getattr(s, end))
+    ender.start()
+    while not s._cancelled.is_set():  # frames answered after this are dropped, without waking the waiter
+        time.sleep(0.001)
+    for _ in range(6):
+        released.release()  # the workers stop once the frames they hold are answered
+    ender.join(5)
+    waiter.join(5)
+    assert not ender.is_alive() and not waiter.is_alive()  # no frame completed after the end: the end woke it
+    assert s.closed and returned and all(e.kind in ("audio", "cancelled") for e in returned[0])
 
 
 def test_wait_behind_returns_at_once_in_the_sequential_mode_and_raises_a_stage_failure():
