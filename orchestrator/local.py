@@ -147,7 +147,7 @@ class LocalPerceptionStream(_OnThread):
         def run() -> PerceivedFrame:
             out = stream.push(frame.astype(np.float32))
             return PerceivedFrame(np.array(out.audio_embedding), np.array(out.encoder_out), out.transcript_delta,
-                                  out.transcript, list(out.token_ids))
+                                  list(out.token_ids))
 
         return self.send(run)
 

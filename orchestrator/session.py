@@ -49,7 +49,7 @@ from orchestrator.lockstep import FrameTicker
 from orchestrator.pending import Pending
 from orchestrator.profile import Clock, FrameTiming, MonotonicClock, Profile
 from orchestrator.stream_clients import PerceivedFrame, StreamClients
-from orchestrator.text import TextDecoder, TokenAccumulator, text_start
+from orchestrator.text import GrowingText, TextDecoder, TokenAccumulator, text_start
 from orchestrator.timeline import SpeechInfo, replace_control_codes
 from orchestrator.tools import MAX_TOOLS, CallEvent, Tool, ToolChannel, check_distinct, render_system_prompt
 from services.common.config import VoiceChatConfig
@@ -191,6 +191,7 @@ class OnlineSession:
         self.text_window = text_window or None  # None: every text event carries its channel's whole text
         self._text = TokenAccumulator(decoder, self.text_window)
         self._function = TokenAccumulator(decoder, self.text_window)
+        self._transcript = GrowingText(self.text_window)  # the user's transcript: the frames' deltas summed
         self._transcript_sent = 0  # characters of the transcript the last transcript event held
         self._vocabulary = rnnt_vocabulary
         self._pending = np.zeros(0, np.float32)
@@ -449,11 +450,13 @@ class OnlineSession:
             return
         events: list[Event] = []
         p = f.perceived
+        transcript = self._transcript
+        transcript.append(p.transcript_delta)
         if self._transcript_grew(p):
-            start = text_start(len(p.transcript), self.text_window, self._transcript_sent)  # it grows at its end
+            start = text_start(transcript.length, self.text_window, self._transcript_sent)  # it grows at its end
             events.append(Event("user_transcript_delta", f.index, delta=p.transcript_delta,
-                                text=p.transcript[start:], text_start=start))
-            self._transcript_sent = len(p.transcript)
+                                text=transcript.since(start), text_start=start))
+            self._transcript_sent = transcript.length
         for kind, accumulator, token in (("assistant_text_delta", self._text, f.text_id),
                                          ("function_delta", self._function, f.function_id)):
             update = accumulator.update(token)

@@ -38,8 +38,7 @@ from services.common.tensors import from_proto_np, to_proto_np
 class PerceivedFrame:
     audio_embedding: np.ndarray  # (hidden,) float32
     encoder_out: np.ndarray  # (d_model,) float32
-    transcript_delta: str
-    transcript: str
+    transcript_delta: str  # what the frame added to the user's transcript (the session sums them)
     token_ids: list[int]  # RNNT emissions of this frame, specials included
 
 
@@ -90,7 +89,7 @@ class GrpcPerceptionStream:
     def __init__(self, channel: Channel, sample_rate_hz: int):
         self.stream = channel.stream("Stream")
         self.frame = 0
-        self.transcript = ""  # the user's transcript so far, summed from the frames' deltas
+        self.transcript_length = 0  # characters of the user's transcript so far (the frames' deltas summed)
         try:
             self.stream.call(perception_pb2.PerceptionStreamRequest(
                 open=perception_pb2.PerceptionOpen(sample_rate_hz=sample_rate_hz)))
@@ -108,12 +107,14 @@ class GrpcPerceptionStream:
         return pending.then(self._perceived)
 
     def _perceived(self, reply: perception_pb2.PerceptionStreamResponse) -> PerceivedFrame:
-        """The frame as the service answered it, with the transcript so far: the sum of the frames' deltas (the
-        answers are taken in order), or the transcript a service sends whole."""
+        """The frame as the service answered it (answers are taken in order). A service that sends the whole
+        transcript adds what it holds past the characters so far (the text only grows at its end); a frame never
+        carries the whole transcript on, so its cost does not grow with the conversation."""
         out = reply.frame
-        self.transcript = out.transcript or self.transcript + out.transcript_delta
-        return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output),
-                              out.transcript_delta, self.transcript, list(out.token_ids))
+        delta = out.transcript[self.transcript_length :] if out.transcript else out.transcript_delta
+        self.transcript_length += len(delta)
+        return PerceivedFrame(from_proto_np(out.audio_embedding), from_proto_np(out.encoder_output), delta,
+                              list(out.token_ids))
 
     def close(self) -> None:
         self.stream.close()

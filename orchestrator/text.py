@@ -69,6 +69,37 @@ class TextUpdate(NamedTuple):
     start: int  # characters before `text`: the whole text is the previous whole text's first `start` + `text`
 
 
+class GrowingText:
+    """A text that only grows at its end (a channel's final text), kept so that an event's text costs the
+    window's length, not the conversation's: `append(delta)` costs the delta (and at most the kept end's copy),
+    `since(start)` is the text from character `start` on. With a `window` (characters; None or 0: unbounded) the
+    last `window` to 2 x `window` characters are kept at hand and the earlier ones as pieces, never joined again
+    unless a caller asks for text before the kept end (`str()`, or `since` a start that far back)."""
+
+    def __init__(self, window: int | None = None):
+        self.window = window or None
+        self.length = 0  # characters so far
+        self._earlier: list[str] = []  # windowed: the text before `_recent`, in pieces
+        self._recent = ""  # the text's end: all of it unbounded, else at least its last `window` characters
+
+    def __str__(self) -> str:
+        return "".join(self._earlier) + self._recent
+
+    def append(self, delta: str) -> None:
+        self.length += len(delta)
+        self._recent += delta
+        if self.window is not None and len(self._recent) > 2 * self.window:
+            cut = len(self._recent) - self.window
+            self._earlier.append(self._recent[:cut])
+            self._recent = self._recent[cut:]
+
+    def since(self, start: int) -> str:
+        recent_start = self.length - len(self._recent)
+        if start >= recent_start:
+            return self._recent[start - recent_start :]
+        return str(self)[start:]
+
+
 class TokenAccumulator:
     """Cumulative text of one channel; `update` gives a TextUpdate or None for a hidden id (`append` the same as
     (delta, whole text)).
@@ -85,8 +116,8 @@ class TokenAccumulator:
 
     With a `window` (characters; None or 0: unbounded) an update's text is the whole text from `text_start(...)`
     on: all of it while it is at most `window` characters, else its last `window` characters, never starting
-    inside the tail (which a later token may still revise). Then only the settled text's last characters are
-    kept at hand, so building an update costs the window's length, not the conversation's.
+    inside the tail (which a later token may still revise). The settled text is a `GrowingText`, so building an
+    update costs the window's length, not the conversation's.
     """
 
     def __init__(self, decoder: TextDecoder, window: int | None = None):
@@ -96,14 +127,12 @@ class TokenAccumulator:
         self.window = window or None
         self.tail: list[int] = []
         self._tail_text = ""  # the decode of `tail`
-        self._earlier: list[str] = []  # windowed: the settled text before `_recent`, in pieces
-        self._recent = ""  # the settled text's end: all of it unbounded, else at least its last `window` characters
-        self._settled_length = 0
+        self._settled = GrowingText(window)  # the text of every id before the tail
 
     @property
     def settled(self) -> str:
         """The text of every id before the tail (final)."""
-        return "".join(self._earlier) + self._recent
+        return str(self._settled)
 
     @property
     def text(self) -> str:
@@ -125,9 +154,9 @@ class TokenAccumulator:
             delta = tail_text[len(self._tail_text):]
         else:
             delta = self.decoder.decode([token_id])
-        start = text_start(self._settled_length + len(tail_text), self.window, self._settled_length)
-        recent_start = self._settled_length - len(self._recent)
-        text = self._recent[start - recent_start:] + tail_text
+        settled = self._settled.length
+        start = text_start(settled + len(tail_text), self.window, settled)
+        text = self._settled.since(start) + tail_text
         self._tail_text = tail_text
         self._settle()
         return TextUpdate(delta, text, start)
@@ -140,12 +169,4 @@ class TokenAccumulator:
         older_text, newest_text = self.decoder.decode(older), self.decoder.decode(newest)
         if older_text + newest_text == self._tail_text:
             self.tail, self._tail_text = newest, newest_text
-            self._keep(older_text)
-
-    def _keep(self, settled: str) -> None:
-        self._settled_length += len(settled)
-        self._recent += settled
-        if self.window is not None and len(self._recent) > 2 * self.window:  # keep the last `window` at hand
-            cut = len(self._recent) - self.window
-            self._earlier.append(self._recent[:cut])
-            self._recent = self._recent[cut:]
+            self._settled.append(older_text)

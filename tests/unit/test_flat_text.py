@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.stream_clients import GrpcPerceptionStream
-from orchestrator.text import SETTLING_IDS, TextDecoder, TokenAccumulator
+from orchestrator.text import SETTLING_IDS, GrowingText, TextDecoder, TokenAccumulator
 from protos.voicechat.v1 import perception_pb2
 from services.common.config import VoiceChatConfig
 from services.common.tensors import to_proto_np
@@ -78,7 +78,7 @@ def test_a_windowed_channel_rebuilds_the_whole_text_from_events_of_bounded_size(
         starts.append(update.start)
     assert client == decoder.decode(kept) == windowed.text
     assert len(client) > 10 * window and min(starts[-100:]) > 0  # far past the window
-    assert len(windowed._recent) <= 2 * window  # only the settled text's end is kept at hand
+    assert len(windowed._settled._recent) <= 2 * window  # only the settled text's end is kept at hand
 
 
 class _Replies:
@@ -107,8 +107,24 @@ class _Channel:
         return self.stream_
 
 
-def test_the_perception_client_sums_the_deltas_or_takes_a_whole_transcript():
-    answers = [("", ""), ("Hi", ""), ("", ""), (" there", ""), ("x", "Hi therex"), ("!", "")]
+def test_the_perception_client_passes_the_deltas_on_and_turns_a_whole_transcript_into_one():
+    # the fifth answer holds the whole transcript (and a stale delta): what it adds past the 8 characters so far
+    answers = [("", ""), ("Hi", ""), ("", ""), (" there", ""), ("?", "Hi there, you"), ("!", "")]
     stream = GrpcPerceptionStream(_Channel(_Replies(answers)), 16_000)
-    texts = [stream.push(np.zeros(1280, np.float32)).transcript for _ in answers]
-    assert texts == ["", "Hi", "Hi", "Hi there", "Hi therex", "Hi therex!"]
+    deltas = [stream.push(np.zeros(1280, np.float32)).transcript_delta for _ in answers]
+    assert deltas == ["", "Hi", "", " there", ", you", "!"]
+    assert stream.transcript_length == len("Hi there, you!")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_growing_text_gives_every_suffix_and_keeps_only_its_end_at_hand(window):
+    pieces = ["ab", "", "cdefghij", "k", "lmnopqrstuvwxyz", "0", "123456789"]
+    text, whole = GrowingText(window), ""
+    for piece in pieces:
+        text.append(piece)
+        whole += piece
+        assert text.length == len(whole) and str(text) == whole
+        assert [text.since(start) for start in range(len(whole) + 1)] == [whole[start:] for start in
+                                                                          range(len(whole) + 1)]
+        if window:
+            assert window <= len(text._recent) <= 2 * window or len(text._recent) == len(whole)

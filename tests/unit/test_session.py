@@ -81,7 +81,7 @@ def make_clients(log: Log, prefix: int = 0, fail_at: dict | None = None) -> Stre
                     self.index += 1
                     tokens = [3] if self.index % 2 else []
                     return PerceivedFrame(np.full(2, value, np.float32), np.full(3, value, np.float32),
-                                          "w" if tokens else "", "w" * (self.index // 2 + self.index % 2), tokens)
+                                          "w" if tokens else "", tokens)
 
                 def send_push(self, frame):
                     return Pending(lambda: self.push(frame))  # answered when taken, in the order sent
@@ -376,7 +376,7 @@ def windowed_run(transcripts, text_window):
                     delta, self.before = transcript[len(self.before):], transcript
                     self.index += 1
                     return Pending.answered(PerceivedFrame(np.zeros(2, np.float32), np.zeros(3, np.float32), delta,
-                                                           transcript, [3] if delta else []))
+                                                           [3] if delta else []))
 
                 def close(self):
                     pass
