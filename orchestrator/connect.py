@@ -249,7 +249,17 @@ def connection_from_args(args: argparse.Namespace) -> dict:
                   "replicas": service_replicas(args.replicas, gpus), "gpus": gpus}
     if hasattr(args, "snapshot_seconds"):  # a command with streams (add_failover_flags)
         connection["failover"] = failover_from_args(args)
+        if warning := connection["failover"].uncovered(_longest_session_s(args)):
+            log.warning("%s", warning)
     return connection
+
+
+def _longest_session_s(args: argparse.Namespace) -> float:
+    """The longest conversation the command's flags admit (gRPC sessions, and realtime ones where served)."""
+    limits = [getattr(args, "max_streaming_seconds", None)]
+    if not getattr(args, "no_realtime", False):
+        limits.append(getattr(args, "max_session_seconds", None))
+    return max((limit for limit in limits if limit is not None), default=0.0)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,17 @@ class FailoverPolicy:
         return cls(snapshot_frames=max(1, round(seconds / frame_s)) if seconds else 0)
 
 
+    def uncovered(self, seconds: float, frame_s: float = 0.08) -> str | None:
+        """A warning when conversations of up to `seconds` would outlive the log kept for failover (no snapshots
+        and more than `max_history_frames` frames), else None."""
+        horizon = self.max_history_frames * frame_s
+        if self.snapshot_frames or seconds <= horizon:
+            return None
+        return (f"conversations may run {seconds:g} s, but without snapshots a conversation keeps what it sent "
+                f"for failover for its first {horizon:g} s only: past that, its replica's failure ends it. Pass "
+                "--snapshot-seconds S (e.g. 10) to keep every conversation movable to another replica")
+
+
 DEFAULT_FAILOVER = FailoverPolicy()
 
 

@@ -77,3 +77,22 @@ def test_snapshot_seconds_sets_the_streams_snapshot_interval_in_frames():
     assert "failover" not in connection_from_args(parse(["offline", "x.wav"]))  # unary calls: nothing to fail over
     with pytest.raises(ValueError, match="--snapshot-seconds 601: must be 0 .never. up to 600"):
         connection_from_args(parse(["serve", "--snapshot-seconds", "601"]))
+
+
+def test_conversations_longer_than_the_failover_log_without_snapshots_are_warned_about(caplog):
+    parse = cli.build_parser().parse_args
+
+    def warnings(args):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="orchestrator.connect"):
+            connection_from_args(parse(args))
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings(["serve"]) == []  # 600 s at most by default: the log covers the whole conversation
+    assert warnings(["serve", "--max-streaming-seconds", "3600", "--snapshot-seconds", "10"]) == []
+    assert warnings(["serve", "--max-streaming-seconds", "3600"]) == [
+        "conversations may run 3600 s, but without snapshots a conversation keeps what it sent for failover for its "
+        "first 600 s only: past that, its replica's failure ends it. Pass --snapshot-seconds S (e.g. 10) to keep "
+        "every conversation movable to another replica"]
+    assert len(warnings(["serve", "--max-session-seconds", "900"])) == 1  # a realtime conversation's limit
+    assert warnings(["serve", "--max-session-seconds", "900", "--no-realtime"]) == []  # no realtime door
