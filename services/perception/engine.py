@@ -36,6 +36,7 @@ from services.perception.rnnt import (
     JointNetwork,
     PredictionNetwork,
     RNNTState,
+    TextSoFar,
 )
 from services.perception.streaming import EncoderStream, begin_stacked, padding_mask
 from services.perception.vocabulary import load_vocabulary, pieces_to_text
@@ -65,8 +66,12 @@ class StreamFrame:
     audio_embedding: mx.array
     encoder_out: mx.array
     transcript_delta: str
-    transcript: str
+    so_far: TextSoFar  # the transcript as of this frame, joined when `transcript` is read
     token_ids: list[int]  # every RNNT emission of this frame (special pieces included, blanks not)
+
+    @property
+    def transcript(self) -> str:
+        return str(self.so_far)
 
     def __iter__(self):  # (audio_embedding, transcript_delta, transcript), the issue's tuple
         return iter((self.audio_embedding, self.transcript_delta, self.transcript))
@@ -367,7 +372,7 @@ class PerceptionEngine:
         transcripts = self._finish_batch(streams, proposal) if rnnt.vocabulary else [([], "")] * len(streams)
         results = []
         for stream, (emb, enc_out), (emitted, delta) in zip(streams, outputs, transcripts, strict=True):
-            results.append(StreamFrame(stream.frame_index, emb, enc_out, delta, stream.rnnt.text, emitted))
+            results.append(StreamFrame(stream.frame_index, emb, enc_out, delta, stream.rnnt.so_far(), emitted))
             stream.frame_index += 1
         return results
 
@@ -487,7 +492,7 @@ class PerceptionStream:
     def snapshot(self, since: Marks | None = None) -> State:
         """The session's whole state (`services.common.snapshot`): the mel stream's sample tail and counters, the
         encoder's caches (the real rows of caches still filling) and counters, the RNNT decoder's last token, LSTM
-        state and transcript so far. Of a fixed size: whole in a delta too (`since` unused)."""
+        state and transcript so far. Of a fixed size but for that text: whole in a delta too (`since` unused)."""
         mel, enc, rnnt = self.mel, self.encoder, self.rnnt
         state: State = {"frame_index": self.frame_index, "mel.samples": mel.samples, "mel.offset": mel.offset,
                         "mel.total": mel.total, "mel.next_frame": mel.next_frame,
@@ -522,7 +527,8 @@ class PerceptionStream:
                          [snapshot.array(f"rnnt.lstm.c.{n}") for n in depth])
         rnnt.last_token, rnnt.last_emitted = snapshot.int("rnnt.last_token"), snapshot.int("rnnt.last_emitted")
         rnnt.token_ids = snapshot.ints("rnnt.token_ids")
-        rnnt.text, rnnt.held = snapshot.text("rnnt.text"), snapshot.text("rnnt.held")
+        text = snapshot.text("rnnt.text")
+        rnnt.deltas, rnnt.held = [text] if text else [], snapshot.text("rnnt.held")
         mx.eval(stream.held_rows(), *([enc.pending] if enc.pending is not None else ()))
         return stream
 
@@ -557,7 +563,7 @@ class PerceptionStream:
         mx.eval(embedding, encoder_out, *self.mel.arrays(), *self.encoder.arrays(),
                 *(proposal.arrays() if proposal is not None else ()))
         emitted, delta = rnnt.finish_transcript(self.rnnt, proposal) if rnnt.vocabulary else ([], "")
-        out = StreamFrame(self.frame_index, embedding, encoder_out, delta, self.rnnt.text, emitted)
+        out = StreamFrame(self.frame_index, embedding, encoder_out, delta, self.rnnt.so_far(), emitted)
         self.frame_index += 1
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -106,17 +107,39 @@ class JointNetwork:
         return self.out(x)
 
 
+class TextSoFar(NamedTuple):
+    """A stream's transcript as of one frame, joined only when read: the stream's deltas (a list that only
+    grows) and how many of them were in by then."""
+
+    deltas: list[str]
+    count: int
+
+    def __str__(self) -> str:
+        return "".join(self.deltas[: self.count])
+
+
 @dataclass
 class RNNTState:
-    """Per-session decoder state: last emitted token (blank at start), LSTM state, emitted text ids."""
+    """Per-session decoder state: last emitted token (blank at start), LSTM state, emitted text ids.
+
+    Decoding a whole utterance keeps every id in `token_ids`; a stream's `update_text` takes the frame's ids out
+    of it and keeps the transcript as its deltas, so a frame costs its own pieces, not the transcript's length."""
 
     blank: int
     last_token: int = -1
     lstm: tuple[list[mx.array], list[mx.array]] | None = None
-    token_ids: list[int] = field(default_factory=list)  # non-special emissions, for the transcript
-    text: str = ""  # the transcript: the pieces so far joined and stripped
+    token_ids: list[int] = field(default_factory=list)  # non-special emissions not yet made text
     held: str = ""  # the joined pieces' trailing whitespace: part of the text once more text follows it
     last_emitted: int = 0  # symbols the last decoded frame emitted: how deep the next frame speculates
+    deltas: list[str] = field(default_factory=list)  # the transcript's non-empty deltas, in order
+
+    @property
+    def text(self) -> str:
+        """The transcript: the pieces so far joined and stripped."""
+        return "".join(self.deltas)
+
+    def so_far(self) -> TextSoFar:
+        return TextSoFar(self.deltas, len(self.deltas))
 
     def __post_init__(self) -> None:
         if self.last_token < 0:
@@ -305,16 +328,20 @@ class RNNT:
         return emitted, self.update_text(state, before)
 
     def update_text(self, state: RNNTState, before: int) -> str:
-        """Refresh `state.text` after a frame's emissions (state.token_ids[before:]); returns the delta.
+        """Extend the transcript by a frame's emissions (state.token_ids[before:], taken out of it with any before
+        them); returns the delta.
 
         The text is the joined pieces stripped, which only ever grows at its end: a frame costs its own pieces,
         not the transcript's length."""
-        if len(state.token_ids) == before:
+        new = state.token_ids[before:]
+        state.token_ids.clear()
+        if not new:
             return ""
-        added = state.held + join_pieces(state.token_ids[before:], self.vocabulary)
-        if not state.text:  # leading whitespace is never part of the text
+        added = state.held + join_pieces(new, self.vocabulary)
+        if not state.deltas:  # leading whitespace is never part of the text
             added = added.lstrip()
         delta = added.rstrip()
         state.held = added[len(delta) :]
-        state.text += delta
+        if delta:
+            state.deltas.append(delta)
         return delta

@@ -56,6 +56,19 @@ def test_max_symbols_bounds_the_loop():
     assert emitted == [2, 2, 2] and delta == " hel hel hel"
 
 
+def test_a_stream_keeps_its_transcript_as_deltas_and_no_ids_between_frames():
+    rnnt = _rnnt(favoured=2, max_symbols=2)
+    state = rnnt.new_state()
+    seen = []
+    for _ in range(3):
+        _, delta = rnnt.transcript_update(state, FRAME)
+        seen.append(state.so_far())
+        assert state.token_ids == []  # the frame's ids are text now: nothing grows but the transcript
+    assert state.deltas == ["hel hel", " hel hel", " hel hel"] and state.text == "hel hel hel hel hel hel"
+    # each frame's transcript reads as it was at that frame, though the deltas went on growing
+    assert [str(s) for s in seen] == ["hel hel", "hel hel hel hel", "hel hel hel hel hel hel"]
+
+
 def test_special_pieces_advance_the_predictor_but_not_the_text():
     rnnt = _rnnt(favoured=1, max_symbols=2)  # <en-US>
     state = rnnt.new_state()
