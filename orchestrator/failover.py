@@ -87,7 +87,6 @@ class FailoverPolicy:
                              f"{DEFAULT_HISTORY_FRAMES * frame_s:g}, the history kept for failover")
         return cls(snapshot_frames=max(1, round(seconds / frame_s)) if seconds else 0)
 
-
     def uncovered(self, seconds: float, frame_s: float = 0.08) -> str | None:
         """A warning when conversations of up to `seconds` would outlive the log kept for failover (no snapshots
         and more than `max_history_frames` frames), else None."""
