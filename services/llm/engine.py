@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from tokenizers import Tokenizer
 
 from services.common import cache as cache_layout
@@ -148,11 +149,14 @@ class LanguageSession:
         forced, self.forced_function = self.forced_function, None
         return picked if forced is None else forced
 
-    def step(self, audio: mx.array, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
-        """audio: (D,) float32 projected perception frame -> greedy text and function ids at this position.
+    def step(self, audio: AudioRow, return_logits: bool = False, frame_index: int | None = None) -> StepOutput:
+        """audio: (D,) float32 projected perception frame (an MLX or numpy array) -> greedy text and function ids
+        at this position.
 
         frame_index, when given, must be the number of frames stepped so far (0, 1, 2, ...)."""
         self.check_step(audio, frame_index)
+        if isinstance(audio, np.ndarray):
+            audio = mx.array(audio)
         out = self._run(audio.reshape(1, 1, self.model.hidden_size), want_heads=True)
         assert out is not None
         text_logits, function_logits, ids = out
@@ -214,7 +218,7 @@ class LanguageSession:
             self.history = [history[:, i : i + 1] for i in range(history.shape[1])]
         mx.eval([a for cache in self.caches if cache is not None for a in cache.arrays()], self.history)
 
-    def check_step(self, audio: mx.array, frame_index: int | None) -> None:
+    def check_step(self, audio: AudioRow, frame_index: int | None) -> None:
         """The ValueError / LimitExceeded `step` raises for these arguments, before anything changes."""
         if self.closed:
             raise ValueError(f"session {self.session_id} is closed")
@@ -225,12 +229,16 @@ class LanguageSession:
         if self.full_history and self.positions >= MAX_FULL_HISTORY_POSITIONS:
             raise LimitExceeded(f"full-history sessions are limited to {MAX_FULL_HISTORY_POSITIONS} positions")
         hidden = self.model.hidden_size
-        if audio.dtype != mx.float32 or tuple(audio.shape) != (hidden,):
+        dtype = str(audio.dtype).rpartition(".")[2]  # mlx.core.float32 and numpy's float32 alike
+        if dtype != "float32" or tuple(audio.shape) != (hidden,):
             raise ValueError(f"audio embedding must be float32 of shape ({hidden},); "
-                             f"got {str(audio.dtype).rpartition('.')[2]} of shape {tuple(audio.shape)}")
+                             f"got {dtype} of shape {tuple(audio.shape)}")
 
 
-Step = tuple[LanguageSession, mx.array, bool, int | None]
+# A step's audio row: an MLX array, or a numpy one as a service decodes it from its request (a batch of those
+# crosses to the device as one array, `_stacked_rows`)
+AudioRow = mx.array | np.ndarray
+Step = tuple[LanguageSession, AudioRow, bool, int | None]
 
 
 class LanguageEngine:
@@ -552,7 +560,7 @@ class LanguageEngine:
         sessions = [step[0] for step in steps]
         batch = self._pools.gather(sessions)
         b, members = len(batch.members), batch.members
-        audio = mx.stack(batch.place([step[1] for step in steps], mx.zeros_like(steps[0][1])))
+        audio = _stacked_rows(batch.place([step[1] for step in steps], None))
         prev_text = mx.array([[s.prev_text] for s in members], dtype=mx.int32)
         prev_function = mx.array([[s.prev_function] for s in members], dtype=mx.int32)
         out, states = self.model.batched_step(prev_text, audio.reshape(b, 1, -1), prev_function, batch.states,
@@ -578,6 +586,22 @@ class LanguageEngine:
             outputs.append(StepOutput(text_id, session.prev_function, *logits))
         LanguageSession.share_dtypes([step[0] for step in steps])
         return outputs
+
+
+def _stacked_rows(rows: Sequence[AudioRow | None]) -> mx.array:
+    """(B, D): row b is rows[b], zeros where it is None (a pool's row sitting the step out). Rows that are all
+    numpy (a service's decoded requests) are written into one host buffer that becomes one array: one copy to the
+    device, where stacking B arrays would make B of them and a copy kernel each. The values are the same."""
+    first = next(row for row in rows if row is not None)
+    if all(row is None or isinstance(row, np.ndarray) for row in rows):
+        out = np.zeros((len(rows), *first.shape), first.dtype)
+        for b, row in enumerate(rows):
+            if row is not None:
+                out[b] = row
+        return mx.array(out)
+    arrays = [row if row is None or isinstance(row, mx.array) else mx.array(row) for row in rows]
+    zero = mx.zeros(first.shape, next(a for a in arrays if a is not None).dtype)
+    return mx.stack([zero if a is None else a for a in arrays])
 
 
 def _copies(caches: list[LayerCache]) -> list[LayerCache]:

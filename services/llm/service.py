@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from protos.voicechat.v1 import language_pb2, language_pb2_grpc, snapshot_pb2
+from protos.voicechat.v1 import language_pb2, language_pb2_grpc, snapshot_pb2, tensor_pb2
 from services.common.batching import (
     BatchOptions,
     StepBatcher,
@@ -32,8 +32,15 @@ from services.common.loading import AS_STORED, LoadOptions
 from services.common.metrics import Metrics
 from services.common.server import full_service_name
 from services.common.snapshot import Marks, Snapshot, flattened, restoring, snapshot_answers, take_snapshot
-from services.common.tensors import from_proto, to_proto
-from services.llm.engine import MAX_PROMPT_TOKENS, PROMPTS_KEPT, LanguageEngine, LanguageSession, StepOutput
+from services.common.tensors import from_proto, from_proto_np, to_proto
+from services.llm.engine import (
+    MAX_PROMPT_TOKENS,
+    PROMPTS_KEPT,
+    AudioRow,
+    LanguageEngine,
+    LanguageSession,
+    StepOutput,
+)
 
 SERVICE_NAME = full_service_name(language_pb2, "LanguageService")
 # How each stream's prompt prefix enters the model (LanguageOpen.prefix_precision): cast to float32 as in the
@@ -185,7 +192,15 @@ def _step_arguments(entry: tuple[LanguageSession, language_pb2.LanguageStep]) ->
     session, step = entry
     if step.HasField("forced_function_token_id"):
         session.force_function(step.forced_function_token_id)
-    return session, from_proto(step.audio_embedding), step.return_logits, step.frame_index
+    return session, _audio_row(step.audio_embedding), step.return_logits, step.frame_index
+
+
+def _audio_row(tensor: tensor_pb2.Tensor) -> AudioRow:
+    """A step's audio embedding: float32, as perception sends it, decoded to a numpy row (a batch's rows then
+    cross to the device as one array); any other dtype as an MLX array, which the step refuses, naming it."""
+    if tensor.dtype == tensor_pb2.DTYPE_FLOAT32:
+        return from_proto_np(tensor)
+    return from_proto(tensor)
 
 
 def _step_result(entry: tuple[LanguageSession, language_pb2.LanguageStep], out: StepOutput

@@ -10,7 +10,7 @@ import pytest
 from services.common.cache import STACK_ALL
 from services.common.errors import LimitExceeded
 from services.common.loading import LoadOptions
-from services.llm.engine import LanguageEngine
+from services.llm.engine import LanguageEngine, _stacked_rows
 from services.llm.nemotron_h import BatchedStep
 from tests.conftest import GOLDEN
 from tests.unit.test_snapshots import crossed
@@ -92,12 +92,9 @@ def _max_diff(a, b):
                float(mx.abs(a.function_logits - b.function_logits).max()))
 
 
-@pytest.mark.parametrize("name", ["dense", "4bit", "mixed", "4bit-as-bf16"])
-def test_a_changing_batch_gives_every_session_its_solo_results(engines, embeds, batch_sizes, name):
-    engine = engines[name]
-    counts = [sum(k in ks for ks in SCHEDULE.values()) for k in range(4)]
-    expected = [_solo(engine, embeds, k, counts[k]) for k in range(4)]
-    inputs = [_inputs(embeds, k, counts[k]) for k in range(4)]
+def _run_schedule(engine, inputs):
+    """SCHEDULE's steps of the four sessions, inputs[k] session k's rows -> (the sessions still open, each
+    session's outputs)."""
     sessions, got = {}, [[] for _ in range(4)]
     for tick, ks in SCHEDULE.items():
         for k in ks:
@@ -112,6 +109,15 @@ def test_a_changing_batch_gives_every_session_its_solo_results(engines, embeds, 
         for k, last in LEAVES.items():
             if tick == last:
                 engine.close_session(sessions.pop(k))
+    return sessions, got
+
+
+@pytest.mark.parametrize("name", ["dense", "4bit", "mixed", "4bit-as-bf16"])
+def test_a_changing_batch_gives_every_session_its_solo_results(engines, embeds, batch_sizes, name):
+    engine = engines[name]
+    counts = [sum(k in ks for ks in SCHEDULE.values()) for k in range(4)]
+    expected = [_solo(engine, embeds, k, counts[k]) for k in range(4)]
+    sessions, got = _run_schedule(engine, [_inputs(embeds, k, counts[k]) for k in range(4)])
     assert [len(g) for g in got] == counts == [17, 15, 8, 11]
     worst = 0.0
     for k in range(4):
@@ -129,6 +135,39 @@ def test_a_changing_batch_gives_every_session_its_solo_results(engines, embeds, 
         assert session.positions == session.prompt_positions + counts[k]
         engine.close_session(session)
     assert engine.live_sessions == 0 and not engine._pools
+
+
+def test_numpy_rows_step_exactly_as_mlx_rows(engines, embeds, batch_sizes):
+    """A service's rows arrive as numpy (one host buffer a batch); session 2 mixes them with MLX rows. Every id
+    and logit equals the all-MLX run's, bit for bit, through batches, partial batches and solo steps."""
+    engine = engines["dense"]
+    counts = [sum(k in ks for ks in SCHEDULE.values()) for k in range(4)]
+    rows = [_inputs(embeds, k, counts[k]) for k in range(4)]
+    host = [[np.array(row) for row in rows[k]] if k != 2 else
+            [np.array(row) if t % 2 else row for t, row in enumerate(rows[k])] for k in range(4)]
+    assert isinstance(host[0][0], np.ndarray) and isinstance(host[2][0], mx.array)
+    results = []
+    for inputs in (rows, host):
+        sessions, got = _run_schedule(engine, inputs)
+        for session in sessions.values():
+            engine.close_session(session)
+        results.append(got)
+    assert set(batch_sizes) == {2, 3}
+    for k in range(4):
+        for a, b in zip(*(got[k] for got in results), strict=True):
+            assert (a.text_id, a.function_id) == (b.text_id, b.function_id)
+            assert mx.array_equal(a.text_logits, b.text_logits) and mx.array_equal(a.function_logits, b.function_logits)
+
+
+def test_stacked_rows_fill_the_rows_sitting_out_with_zeros():
+    a, b = np.arange(4, dtype=np.float32), np.full(4, -0.0, np.float32)
+    for rows in ([a, None, b], [mx.array(a), None, b], [a, None, mx.array(b)]):
+        out = _stacked_rows(rows)
+        assert out.dtype == mx.float32 and out.shape == (3, 4)
+        assert np.array_equal(np.array(out), np.stack([a, np.zeros(4, np.float32), b]))
+        assert np.signbit(np.array(out)[2]).all()  # the bits as given: -0.0 stays -0.0
+    halves = _stacked_rows([None, mx.array(a, dtype=mx.bfloat16)])  # prompt rows keep their dtype
+    assert halves.dtype == mx.bfloat16 and np.array_equal(np.array(halves.astype(mx.float32)), np.stack([0 * a, a]))
 
 
 def test_bf16_prefix_sessions_batch_with_their_own_kind(engines, embeds, batch_sizes):
