@@ -3,13 +3,14 @@
     python -m bench.restore [--layers 28] [--positions 500] [--deltas 4] [--every 125] [--repeat 2] [--json]
 
 A speech-like state (`--layers` layers of (2, 16, T, 72) float32 keys and values, the full model's speech backbone)
-is held as the orchestrator holds it (`snapshot.Held`): a whole snapshot at `--positions` positions, then
-`--deltas` deltas of `--every` positions each, merged in. Then the restore's phases run one after the other in
-this process, each timed: the orchestrator's `Held.parts()` (the merged state as whole-snapshot parts) and their
-serialization (what gRPC sends), the service's parse of those bytes, `Snapshot.from_parts` and the arrays a cache
-restore makes (each value as an MLX array, padded to a buffer a block wider, as `GroupedCache.restore` widens
-it). On a host the two sides run in two processes and gRPC streams the parts between them, so the real pause
-overlaps the sender's phases with the receiver's; the sum here is what each side costs.
+is held as the orchestrator holds it (`snapshot.Held`): a whole snapshot at `--positions` positions, then `--deltas`
+deltas of `--every` positions each, merged in. Then the restore's phases run one after the other in this process,
+each timed: the orchestrator's `Held.parts()` (the merged state as whole-snapshot parts, each built inside a speech
+stream request as a failover sends it) and their serialization (what gRPC sends), the service's parse of those
+bytes, `Snapshot.from_parts` and each layer's cache restored as the engine restores it (`FullCache.restore`: the
+keys and values read into MLX buffers of the cache's capacity, zeros past the held positions). On a host the two
+sides run in two processes and gRPC streams the parts between them, so the real pause overlaps the sender's phases
+with the receiver's; the sum here is what each side costs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import time
 
 import mlx.core as mx
 
-from protos.voicechat.v1 import snapshot_pb2
-from services.common.cache import GROW, widened
+from protos.voicechat.v1 import snapshot_pb2, speech_pb2
+from services.common.cache import GROW, FullCache
 from services.common.snapshot import Held, Slices, Snapshot, capture, pack
 
 HEADS, HEAD_DIM, ROWS = 16, 72, 2  # the full model's speech backbone: 16 KV heads of 72, guided and unguided rows
@@ -32,6 +33,8 @@ def held_state(layers: int, positions: int, deltas: int, every: int) -> tuple[He
     def state(length: int, since: int | None) -> dict:
         values = {}
         for layer in range(layers):
+            counters = {"offset": length, "capacity": capacity(length), "keep": -1, "window": -1}
+            values.update({f"caches.{layer}.{name}": value for name, value in counters.items()})
             for name in ("keys", "values"):
                 if since is None:
                     values[f"caches.{layer}.{name}"] = mx.random.normal((ROWS, HEADS, length, HEAD_DIM))
@@ -51,7 +54,12 @@ def held_state(layers: int, positions: int, deltas: int, every: int) -> tuple[He
     return held, length
 
 
-def restore_phases(held: Held, layers: int, length: int) -> dict[str, float]:
+def capacity(length: int) -> int:
+    """The buffer size of a cache holding `length` positions: whole blocks of GROW, with room for the next."""
+    return -(-(length + 1) // GROW) * GROW
+
+
+def restore_phases(held: Held, layers: int) -> dict[str, float]:
     """Each phase's seconds, in order."""
     phases = {}
     start = time.perf_counter()
@@ -62,18 +70,22 @@ def restore_phases(held: Held, layers: int, length: int) -> dict[str, float]:
         phases[name] = now - start
         start = now
 
-    parts = list(held.parts())
+    def request() -> tuple[speech_pb2.SpeechStreamRequest, snapshot_pb2.SnapshotPart]:
+        message = speech_pb2.SpeechStreamRequest()
+        return message, message.restore
+
+    requests = list(held.parts(into=request))  # as the orchestrator sends them: each part inside a stream request
     lap("parts")
-    wire = [part.SerializeToString() for part in parts]
+    wire = [message.SerializeToString() for message in requests]
     lap("serialize")
-    received = [snapshot_pb2.SnapshotPart.FromString(data) for data in wire]
+    received = [speech_pb2.SpeechStreamRequest.FromString(data).restore for data in wire]
     lap("parse")
     snapshot = Snapshot.from_parts(received)
     lap("from_parts")
-    width = -(-(length + 1) // GROW) * GROW
-    arrays = [widened(snapshot.array(f"caches.{layer}.{name}"), width)
-              for layer in range(layers) for name in ("keys", "values")]
-    mx.eval(arrays)
+    caches = [FullCache() for _ in range(layers)]
+    for layer, cache in enumerate(caches):
+        cache.restore(snapshot.scope(f"caches.{layer}"))
+    mx.eval([array for cache in caches for array in (cache.keys, cache.values)])
     lap("arrays")
     return phases
 
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.positions, args.every, args.repeat) < 1 or args.deltas < 0:
         parser.error("--layers, --positions, --every and --repeat must be at least 1, --deltas at least 0")
     held, length = held_state(args.layers, args.positions, args.deltas, args.every)
-    runs = [restore_phases(held, args.layers, length) for _ in range(args.repeat)]
+    runs = [restore_phases(held, args.layers) for _ in range(args.repeat)]
     report = {"held_mb": held.nbytes / 1e6, "positions": length, "runs": runs}
     if args.json:
         print(json.dumps(report, indent=2))

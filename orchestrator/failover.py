@@ -282,7 +282,11 @@ class ReplayStream:
         opening.CopyFrom(self._open)
         opening.open.restore = True
         yield opening
-        yield from (type(self._open)(restore=part) for part in self._snapshot.parts())
+        def request() -> tuple:
+            message = type(self._open)()
+            return message, message.restore
+
+        yield from self._snapshot.parts(into=request)
 
     def _discard_answered(self, stream: BidiStream) -> None:
         """Take the answers the caller already has from the new stream: its open's, which must equal the first

@@ -276,9 +276,9 @@ class GroupedCache(abc.ABC):
         """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""
         self.group = None
         self._keys = self._values = None
-        if snapshot.has("keys"):  # widened with zeros to the buffer's size, as its unwritten keys are
+        if snapshot.has("keys"):  # read into a buffer of its size, zeros past the held keys as its unwritten keys are
             capacity = snapshot.int("capacity")
-            self._keys, self._values = (widened(snapshot.array(name), capacity) for name in ("keys", "values"))
+            self._keys, self._values = (snapshot.array(name, axis=2, width=capacity) for name in ("keys", "values"))
         self.restore_counters(snapshot)
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from protos.voicechat.v1 import snapshot_pb2, tensor_pb2
-from services.common.tensors import mlx_from_wire, numpy_from_wire, wire_array, wire_view
+from services.common.tensors import mlx_from_wire, numpy_from_wire, wire_array, wire_read
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -134,27 +134,63 @@ def pack(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0,
     return list(packed(held, part_bytes, snapshot_id, base))
 
 
-def packed(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0,
-           base: int = 0) -> Iterator[snapshot_pb2.SnapshotPart]:
+def packed(held: State, part_bytes: int = PART_BYTES, snapshot_id: int = 0, base: int = 0,
+           into: Callable[[], tuple[Any, snapshot_pb2.SnapshotPart]] | None = None) -> Iterator:
     """`pack`'s parts one at a time, each made when the one before is taken (a large state is never all parts at
-    once, and a sender may send each while the next is made)."""
-    part, room = snapshot_pb2.SnapshotPart(id=snapshot_id, base=base), part_bytes
-    for entry, size in _entries(held, part_bytes):
-        if size > room and len(part.entries):
-            yield part
-            part, room = snapshot_pb2.SnapshotPart(id=snapshot_id, base=base), part_bytes
-        part.entries.append(entry)
-        room -= size
+    once, and a sender may send each while the next is made). With `into`, each part is built in place inside a
+    message of the caller's, `into()` giving (that message, its `SnapshotPart` field), and the messages are
+    yielded: wrapping a finished part in a message would copy its bytes once more."""
+    def fresh() -> tuple[Any, snapshot_pb2.SnapshotPart]:
+        if into is None:
+            part = message = snapshot_pb2.SnapshotPart()
+        else:
+            message, part = into()
+            part.SetInParent()  # set in the message even while it is empty
+        part.id, part.base = snapshot_id, base
+        return message, part
+
+    message, part = fresh()
+    room = part_bytes
+    for entry in _entries(held, part_bytes):
+        if entry.size > room and len(part.entries):
+            yield message
+            (message, part), room = fresh(), part_bytes
+        entry.add_to(part.entries)
+        room -= entry.size
     part.last = True
-    yield part
+    yield message
 
 
-def _entries(held: State, part_bytes: int) -> Iterator[tuple[snapshot_pb2.SnapshotEntry, int]]:
-    """Each value's entries and their array bytes: a text, an array in pieces of `part_bytes` at most, a
-    `Slices`' runs each as its own array with its slice."""
+class _Entry(NamedTuple):
+    """An entry of the parts, made in the part that takes it: a text, or an array's bytes from `offset` on (`span`,
+    a piece of the array in C order) with the whole array's shape and wire dtype, and a delta's slice."""
+
+    name: str
+    size: int  # its array bytes (a text's length)
+    text: str | None = None
+    span: np.ndarray | None = None
+    shape: tuple[int, ...] = ()
+    dtype: int = 0
+    offset: int = 0
+    where: snapshot_pb2.SnapshotSlice | None = None
+
+    def add_to(self, entries) -> None:
+        """Append it to a part's entries, its bytes copied out of the array once (then into the message)."""
+        if self.text is not None:
+            entries.add(name=self.name, text=self.text)
+            return
+        entry = entries.add(name=self.name, offset=self.offset, slice=self.where)
+        entry.tensor.dtype = self.dtype
+        entry.tensor.shape.extend(self.shape)
+        entry.tensor.data = self.span.tobytes()
+
+
+def _entries(held: State, part_bytes: int) -> Iterator[_Entry]:
+    """Each value's entries: a text, an array in pieces of `part_bytes` at most, a `Slices`' runs each as its own
+    array with its slice."""
     for name, value in held.items():
         if isinstance(value, str):
-            yield snapshot_pb2.SnapshotEntry(name=name, text=value), len(value)
+            yield _Entry(name, len(value), text=value)
         elif isinstance(value, Slices):
             for start, run in value.runs:
                 where = snapshot_pb2.SnapshotSlice(axis=value.axis, start=start, length=value.length)
@@ -163,13 +199,54 @@ def _entries(held: State, part_bytes: int) -> Iterator[tuple[snapshot_pb2.Snapsh
             yield from _pieces(name, value, part_bytes)
 
 
-def _pieces(name: str, value, part_bytes: int, where: snapshot_pb2.SnapshotSlice | None = None):
-    """An array's entries, its bytes from `offset` on in pieces of `part_bytes` at most (one copy each)."""
+def _pieces(name: str, value, part_bytes: int, where: snapshot_pb2.SnapshotSlice | None = None) -> Iterator[_Entry]:
+    """An array's entries, its bytes in C order from `offset` on in pieces of `part_bytes` at most (each a view of
+    the array, copied only as its part takes it)."""
     array, dtype = _wire(value)
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    for offset in range(0, max(flat.size, 1), part_bytes):
-        piece = tensor_pb2.Tensor(shape=array.shape, dtype=dtype, data=flat[offset : offset + part_bytes].tobytes())
-        yield snapshot_pb2.SnapshotEntry(name=name, tensor=piece, offset=offset, slice=where), len(piece.data)
+    offset = 0
+    for span in _spans(_merged(array), part_bytes):
+        yield _Entry(name, span.nbytes, span=span, shape=array.shape, dtype=dtype, offset=offset, where=where)
+        offset += span.nbytes
+
+
+def _merged(array: np.ndarray) -> np.ndarray:
+    """A view of `array` with the same elements in the same C order, each run of axes that steps through memory as
+    one axis merged into one (a contiguous array is 1-D; a cache's front, (B, H, T, Dh) of a longer buffer, is
+    (B * H, T * Dh))."""
+    if array.size == 0:
+        return array
+    shape: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(array.shape, array.strides, strict=True):
+        if size == 1:
+            continue
+        if shape and strides[-1] == stride * size:
+            shape[-1] *= size
+            strides[-1] = stride
+        else:
+            shape.append(size)
+            strides.append(stride)
+    return np.lib.stride_tricks.as_strided(array, shape, strides, writeable=False)
+
+
+def _spans(array: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+    """Views of `array` whose bytes, one after another, are its bytes in C order, each of `limit` bytes at most:
+    runs of whole rows along its first axis, a row that alone is larger in pieces of its own, a contiguous array
+    cut every `limit` bytes."""
+    if array.nbytes <= limit:
+        yield array
+    elif array.flags.c_contiguous:
+        flat = array.reshape(-1).view(np.uint8)
+        for offset in range(0, flat.size, limit):
+            yield flat[offset : offset + limit]
+    else:
+        rows = limit // (array.nbytes // len(array))
+        if rows:
+            for start in range(0, len(array), rows):
+                yield array[start : start + rows]
+        else:
+            for row in array:
+                yield from _spans(row, limit)
 
 
 def _wire(value) -> tuple[np.ndarray, int]:
@@ -183,15 +260,16 @@ def _wire(value) -> tuple[np.ndarray, int]:
 
 
 class Raw(NamedTuple):
-    """An array as its entries carried it: shape, wire dtype and bytes (an array's pieces joined)."""
+    """An array as its entries carried it: shape, wire dtype and its bytes in order, one piece an entry."""
 
     shape: list[int]
     dtype: int
-    data: bytes
+    pieces: list[bytes]
 
     def numpy(self) -> np.ndarray:
-        """A read-only view of its bytes (bfloat16 as its bits); ValueError when their size does not fit."""
-        return wire_view(self.shape, self.dtype, self.data)
+        """Its values in the storage dtype (bfloat16 as its bits): a read-only view of a lone piece, else a new
+        array; ValueError when their size does not fit."""
+        return wire_read(self.shape, self.dtype, self.pieces)
 
 
 class Value(NamedTuple):
@@ -203,32 +281,33 @@ class Value(NamedTuple):
 
 
 def joined(parts: Iterable[snapshot_pb2.SnapshotPart]) -> tuple[list[Value], int, int]:
-    """The values of one snapshot's parts in order (an array's pieces joined), its id and its base; ValueError
-    when the parts do not make one snapshot."""
+    """The values of one snapshot's parts in order (an array's pieces kept in order, not copied into one), its id
+    and its base; ValueError when the parts do not make one snapshot."""
     parts = list(parts)
     if not parts or not parts[-1].last or any(part.last for part in parts[:-1]):
         raise ValueError("a snapshot must be sent whole: its parts in order, only the last marked `last`")
     if len({(part.id, part.base) for part in parts}) != 1:
         raise ValueError("a snapshot's parts must all carry its id and base")
-    values: list[tuple[str, snapshot_pb2.SnapshotSlice | None, Any]] = []
-    pieces: list[list[bytes]] = []
+    values: list[Value] = []
+    size = 0  # the bytes of the last array's pieces so far
     for part in parts:
         for entry in part.entries:
             where = entry.slice if entry.HasField("slice") else None
             if entry.WhichOneof("value") == "text":
-                values.append((entry.name, None, entry.text))
-                pieces.append([])
+                values.append(Value(entry.name, None, entry.text))
             elif entry.offset == 0:
-                values.append((entry.name, where, entry.tensor))
-                pieces.append([entry.tensor.data])
-            elif (not values or values[-1][:2] != (entry.name, where)
-                  or sum(map(len, pieces[-1])) != entry.offset):
+                tensor = entry.tensor
+                data = tensor.data
+                values.append(Value(entry.name, where, Raw(list(tensor.shape), tensor.dtype, [data])))
+                size = len(data)
+            elif (not values or values[-1][:2] != (entry.name, where) or isinstance(values[-1].value, str)
+                  or size != entry.offset):
                 raise ValueError(f"snapshot entry {entry.name!r}: its pieces are out of order")
             else:
-                pieces[-1].append(entry.tensor.data)
-    return [Value(name, where, value if isinstance(value, str) else
-                  Raw(list(value.shape), value.dtype, chunks[0] if len(chunks) == 1 else b"".join(chunks)))
-            for (name, where, value), chunks in zip(values, pieces, strict=True)], parts[0].id, parts[0].base
+                data = entry.tensor.data
+                values[-1].value.pieces.append(data)
+                size += len(data)
+    return values, parts[0].id, parts[0].base
 
 
 class Snapshot:
@@ -245,7 +324,7 @@ class Snapshot:
         values, _, base = joined(parts)
         if base or any(value.slice is not None for value in values):
             raise ValueError("a restore takes a whole snapshot, not a delta: send the merged state (its `Held`)")
-        by_name = {value.name: value.value for value in values}  # the joined bytes, read in place by `array`
+        by_name = {value.name: value.value for value in values}  # the pieces, read in place by `array`
         if len(by_name) != len(values):
             raise ValueError("a snapshot names each value once")
         return cls(by_name)
@@ -263,9 +342,10 @@ class Snapshot:
             raise ValueError(f"the snapshot's {self._prefix + name!r} is {what}: it was not taken by this service")
         return value
 
-    def array(self, name: str) -> mx.array:
-        """The MLX array, in its own dtype and bits (call on the engine thread)."""
-        return mlx_from_wire(*self._get(name, Raw))
+    def array(self, name: str, axis: int = 0, width: int | None = None) -> mx.array:
+        """The MLX array, in its own dtype and bits (call on the engine thread); with `width`, `width` long along
+        `axis`, zeros past its own values (read so: one copy on the host, one into MLX)."""
+        return mlx_from_wire(*self._get(name, Raw), axis, width)
 
     def numpy(self, name: str) -> np.ndarray:
         return numpy_from_wire(*self._get(name, Raw))
@@ -290,7 +370,8 @@ class Snapshot:
 class _Array:
     """A held array: `view`, the value, is the front of `buffer`, which may have room to grow along one axis (a
     growing cache's array takes each delta without a copy of the whole array each time). A whole snapshot's
-    array is a read-only view of the bytes it came in, copied only when a delta first changes it."""
+    array is a read-only view of the bytes it came in (when one piece brought it, else an array of its own),
+    copied only when a delta first changes it."""
 
     def __init__(self, array: np.ndarray, dtype: int):
         self.buffer = self.view = array
@@ -401,10 +482,12 @@ class Held:
             held.write(axis, start, array)
         return held
 
-    def parts(self, part_bytes: int = PART_BYTES) -> Iterator[snapshot_pb2.SnapshotPart]:
-        """The held state as the parts of one whole snapshot, each made as the one before is taken."""
+    def parts(self, part_bytes: int = PART_BYTES,
+              into: Callable[[], tuple[Any, snapshot_pb2.SnapshotPart]] | None = None) -> Iterator:
+        """The held state as the parts of one whole snapshot, each made as the one before is taken (with `into`,
+        each inside a message of the caller's: `packed`)."""
         return packed({name: v if isinstance(v, str) else (v.view, v.dtype == tensor_pb2.DTYPE_BFLOAT16)
-                       for name, v in self._values.items()}, part_bytes)
+                       for name, v in self._values.items()}, part_bytes, into=into)
 
 
 def prefixed(prefix: str, state: State) -> State:

@@ -14,6 +14,7 @@ MLX is imported lazily so numpy-only callers (the orchestrator) need not load it
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -130,10 +131,11 @@ def from_proto_np(tensor: Tensor, *, bfloat16: str = "float32") -> np.ndarray:
     return numpy_from_wire(tensor.shape, tensor.dtype, tensor.data, bfloat16=bfloat16)
 
 
-def numpy_from_wire(shape, dtype: int, data: bytes, *, bfloat16: str = "float32") -> np.ndarray:
-    """`from_proto_np` of a payload given as its parts (a message's or a snapshot's joined pieces)."""
-    view = wire_view(shape, dtype, data)
-    bits = view.astype(view.dtype.newbyteorder("="), copy=True)
+def numpy_from_wire(shape, dtype: int, data: bytes | Sequence[bytes], *, bfloat16: str = "float32") -> np.ndarray:
+    """`from_proto_np` of a payload given as its bytes or as its pieces in order (a snapshot's entries)."""
+    view = wire_read(shape, dtype, _pieces(data))
+    native = view.dtype.newbyteorder("=")
+    bits = view if view.flags.owndata and view.dtype == native else view.astype(native, copy=True)
     if dtype != tensor_pb2.DTYPE_BFLOAT16:
         return bits
     if bfloat16 == "bits":
@@ -146,18 +148,71 @@ def numpy_from_wire(shape, dtype: int, data: bytes, *, bfloat16: str = "float32"
 def wire_view(shape, dtype: int, data: bytes) -> np.ndarray:
     """A payload of `dtype` and `shape` as a read-only view of `data` in the storage dtype (bfloat16 as bits, no
     copy); ValueError when its size does not match."""
+    storage, shape = _fitting(shape, dtype, len(data))
+    return np.frombuffer(data, dtype=storage).reshape(shape)
+
+
+def wire_read(shape, dtype: int, pieces: Sequence[bytes], axis: int = 0, width: int | None = None) -> np.ndarray:
+    """A payload given as its pieces in order, in the storage dtype (bfloat16 as bits): a read-only view of a lone
+    piece, else a new array (one copy of each piece); with `width`, a new array `width` long along `axis`, the
+    payload at the front and zeros past it. ValueError when the pieces' size does not match, or the array does
+    not fit in `width`."""
+    storage, shape = _fitting(shape, dtype, sum(map(len, pieces)))
+    wide = _wide(shape, axis, width)
+    if wide == shape and len(pieces) == 1:
+        return np.frombuffer(pieces[0], dtype=storage).reshape(shape)
+    out = np.zeros(wide, storage)
+    if out.size:
+        front = math.prod(shape[axis:]) * storage.itemsize
+        _fill(out.reshape(math.prod(shape[:axis]), -1).view(np.uint8)[:, :front], pieces)
+    return out
+
+
+def _fitting(shape, dtype: int, size: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """The storage dtype and the shape of a payload of `size` bytes; ValueError when they do not agree."""
     storage = _storage(dtype)
     shape = tuple(shape)
     if shape and min(shape) < 0:
         raise ValueError(f"tensor shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * storage.itemsize
-    actual = len(data)
-    if actual != expected:
+    if size != expected:
         raise ValueError(
-            f"tensor payload is {actual} bytes but shape {list(shape)} of {dtype_name(dtype)} "
+            f"tensor payload is {size} bytes but shape {list(shape)} of {dtype_name(dtype)} "
             f"needs {expected} bytes"
         )
-    return np.frombuffer(data, dtype=storage).reshape(shape)
+    return storage, shape
+
+
+def _wide(shape: tuple[int, ...], axis: int, width: int | None) -> tuple[int, ...]:
+    """`shape` with `width` along `axis` (itself when None); ValueError when that is narrower or no axis."""
+    if width is None:
+        return shape
+    if not 0 <= axis < len(shape):
+        raise ValueError(f"tensor shape {list(shape)} has no axis {axis} to widen")
+    if width < shape[axis]:
+        raise ValueError(f"tensor shape {list(shape)} is wider than {width} along axis {axis}")
+    return shape[:axis] + (width,) + shape[axis + 1 :]
+
+
+def _fill(rows: np.ndarray, pieces: Sequence[bytes]) -> None:
+    """Write the pieces' bytes in order into `rows` (uint8, (n, span)), row after row: at most three copies a
+    piece (the rest of a row, whole rows, the start of a row)."""
+    span, at = rows.shape[1], 0
+    for piece in pieces:
+        data = np.frombuffer(piece, np.uint8)
+        while data.size:
+            row, column = divmod(at, span)
+            if column or data.size < span:
+                n = min(span - column, data.size)
+                rows[row, column : column + n] = data[:n]
+            else:
+                n = data.size - data.size % span
+                rows[row : row + n // span] = data[:n].reshape(-1, span)
+            data, at = data[n:], at + n
+
+
+def _pieces(data: bytes | Sequence[bytes]) -> Sequence[bytes]:
+    return [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 def to_proto(array: mx.array | np.ndarray) -> Tensor:
@@ -177,15 +232,19 @@ def from_proto(tensor: Tensor) -> mx.array:
     return mlx_from_wire(tensor.shape, tensor.dtype, tensor.data)
 
 
-def mlx_from_wire(shape, dtype: int, data: bytes) -> mx.array:
-    """`from_proto` of a payload given as its parts (a message's or a snapshot's joined pieces)."""
+def mlx_from_wire(shape, dtype: int, data: bytes | Sequence[bytes], axis: int = 0,
+                  width: int | None = None) -> mx.array:
+    """`from_proto` of a payload given as its bytes or as its pieces in order (a snapshot's entries); with `width`,
+    `width` long along `axis`, zeros past the payload (one copy on the host, one into MLX)."""
     import mlx.core as mx
 
-    bits = wire_view(shape, dtype, data)
-    storage = bits.dtype
-    if bits.shape and max(bits.shape) > MLX_MAX_DIM:
-        raise ValueError(f"tensor shape {list(bits.shape)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
+    pieces = _pieces(data)
+    storage, shape = _fitting(shape, dtype, sum(map(len, pieces)))
+    wide = _wide(shape, axis, width)
+    if wide and max(wide) > MLX_MAX_DIM:
+        raise ValueError(f"tensor shape {list(wide)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
                          "array can hold")
+    bits = wire_read(shape, dtype, pieces, axis, width)
     if not storage.isnative:
         bits = bits.astype(storage.newbyteorder("="))
     if dtype == tensor_pb2.DTYPE_BFLOAT16:
