@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from protos.voicechat.v1 import snapshot_pb2
+from protos.voicechat.v1 import snapshot_pb2, speech_pb2
 from services.common.cache import FullCache
 from services.common.snapshot import Held, Slices, Snapshot, pack
 
@@ -159,8 +159,6 @@ def test_pieces_of_the_wrong_size_are_refused_as_before():
 
 @pytest.mark.parametrize("part_bytes", [16, 1 << 20])
 def test_parts_built_inside_the_callers_messages_are_the_plain_parts(part_bytes):
-    from protos.voicechat.v1 import speech_pb2
-
     held, _ = grown_held()
 
     def request():
