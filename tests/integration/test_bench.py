@@ -318,8 +318,9 @@ def test_restore_bench_times_each_phase_of_a_merged_state(capsys):
     assert restore.main(["--layers", "2", "--positions", "8", "--deltas", "2", "--every", "4", "--repeat", "2",
                          "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    # 2 layers x keys and values x (2 rows, 16 heads, 8 + 2 x 4 positions, 72) float32
-    assert report["positions"] == 16 and report["held_mb"] == 2 * 2 * 2 * 16 * 16 * 72 * 4 / 1e6
+    # 2 layers x keys and values x (2 rows, 16 heads, 8 + 2 x 4 positions, 72) float32, and each layer's four
+    # counters (offset, capacity, keep, window) as int64
+    assert report["positions"] == 16 and report["held_mb"] == (2 * 2 * 2 * 16 * 16 * 72 * 4 + 2 * 4 * 8) / 1e6
     assert len(report["runs"]) == 2
     assert all(list(run) == ["parts", "serialize", "parse", "from_parts", "arrays"] for run in report["runs"])
     assert all(seconds > 0 for run in report["runs"] for seconds in run.values())
