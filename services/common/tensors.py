@@ -73,9 +73,9 @@ def _supported() -> str:
 
 
 def _wire_dtype(array: np.ndarray) -> int:
-    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, should a caller have it
+    wire = _FROM_NUMPY.get((array.dtype.kind, array.dtype.itemsize))  # before `.name`, 20x slower to read
+    if wire is None and array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 (kind "V"), should a caller have it
         return tensor_pb2.DTYPE_BFLOAT16
-    wire = _FROM_NUMPY.get((array.dtype.kind, array.dtype.itemsize))
     if wire is None:
         raise ValueError(f"cannot put a {array.dtype} array on the wire; supported: {_supported()}")
     return wire
