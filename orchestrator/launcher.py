@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.mps import MpsError, mps_daemon
-from services.common.cli import PARENT_PID_ENV, parse_ready_line
+from services.common.cli import PARENT_PID_ENV, SHARED, parse_ready_line
 from services.common.metrics import METRICS_PORT_ENV, parse_metrics_line
 
 SERVICES = ("perception", "llm", "tts", "codec")
-# The buffer cache each launched service keeps (its --cache-limit-mb unless the caller's flags give one). MLX's
-# own limit is about the device's whole memory, per process: four services sharing one GPU, each keeping every
-# buffer size its batches have freed, ran a 141 GB H200 out of memory in 30 s at 16 conversations.
-SHARED_CACHE_LIMIT_MB = 8192
+# The buffer cache each launched service keeps (its --cache-limit-mb unless the caller's flags give one): a share
+# of the device's memory (services.common.cli.shared_cache_limit_mb). MLX's own limit is about the device's whole
+# memory, per process: four services sharing one GPU, each keeping every buffer size its batches have freed, ran a
+# 141 GB H200 out of memory in 30 s at 16 conversations.
+SHARED_CACHE_LIMIT = SHARED
 
 
 class LaunchError(RuntimeError):
@@ -78,11 +79,11 @@ def spawn_service(name: str, model: Path, extra: list[str] | None = None,
                   wrapper: list[str] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """Start one service on a free port (`extra` flags override; `wrapper` runs the command through another
     that execs it, e.g. `ip netns exec NS`; `env` is added to this process's environment). Its buffer cache is
-    bounded to SHARED_CACHE_LIMIT_MB unless `extra` says otherwise. Call from the main thread: on Linux the
+    bounded to SHARED_CACHE_LIMIT unless `extra` says otherwise. Call from the main thread: on Linux the
     child is signalled when the thread that started it ends, which must be this process's lifetime, not a helper
     thread's."""
     command = [*(wrapper or []), sys.executable, "-m", f"services.{name}", "--model", str(model), "--port", "0",
-               "--host", "127.0.0.1", "--log-level", "WARNING", "--cache-limit-mb", str(SHARED_CACHE_LIMIT_MB),
+               "--host", "127.0.0.1", "--log-level", "WARNING", "--cache-limit-mb", SHARED_CACHE_LIMIT,
                *(extra or [])]
     # No preexec_fn: forking a process that has gRPC loaded runs gRPC's fork handlers in the child, which can
     # abort it; without one the child is spawned directly and arranges its own death with this process.

@@ -40,6 +40,12 @@ from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Regi
 
 MODEL_ENV = "VOICECHAT_MODEL"
 PARENT_PID_ENV = "VOICECHAT_PARENT_PID"  # set by the orchestrator's launcher for the services it starts
+# --cache-limit-mb shared: four services on one device, each with a twentieth of its memory, at most 8 GiB (an
+# H200's 141 GB: 7.0 GiB each; an 80 GB H100: 4.0 GiB, where four caches of 8 GiB beside the models ran the
+# 32-conversation configuration out of memory).
+SHARED = "shared"
+SHARED_CACHE_SHARE = 20
+SHARED_CACHE_CAP_MB = 8192
 _PR_SET_PDEATHSIG = 1
 READY_PREFIX = "listening on "  # what parse_ready_line looks for
 DEFAULT_HOST = "127.0.0.1"  # a network service is internal: only the orchestrator's front doors face clients
@@ -126,11 +132,13 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cache-limit-mb",
-        type=float,
+        type=cache_limit_mb,
         default=None,
         metavar="MB",
         help="keep at most this many MiB of freed device buffers for reuse (MLX's buffer cache; default MLX's own "
-        "limit). Batched steps grow the cache: several services sharing one GPU may need it bounded",
+        f"limit). Batched steps grow the cache: several services sharing one GPU may need it bounded. '{SHARED}': "
+        f"a 1/{SHARED_CACHE_SHARE} share of the device's memory, at most {SHARED_CACHE_CAP_MB} MiB (that much "
+        "where the device's memory is not reported), what `orchestrator serve` gives each service it starts",
     )
     parser.add_argument(
         "--memory-limit-mb",
@@ -213,18 +221,43 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--step-log {args.step_log}: no such directory {args.step_log.parent}")
     if getattr(args, "max_context", 0) < 0:
         parser.error(f"--max-context {args.max_context}: must be 0 (no bound) or more")
-    if args.cache_limit_mb is not None and not 0 <= args.cache_limit_mb < 2**40:
+    if args.cache_limit_mb not in (None, SHARED) and not 0 <= args.cache_limit_mb < 2**40:
         parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
     if args.memory_limit_mb is not None and not 0 < args.memory_limit_mb < 2**40:
         parser.error(f"--memory-limit-mb {args.memory_limit_mb}: must be more than zero")
     return args
 
 
-def apply_cache_limit(limit_mb: float | None) -> None:
-    """Bound MLX's buffer cache (--cache-limit-mb); None leaves MLX's default."""
+def cache_limit_mb(text: str) -> float | str:
+    """--cache-limit-mb's value: MiB, or SHARED."""
+    return SHARED if text == SHARED else float(text)
+
+
+def shared_cache_limit_mb(info: dict | None = None) -> float:
+    """The buffer cache of one of several services sharing a device: a SHARED_CACHE_SHARE share of the memory
+    MLX reports for it (`mx.device_info()`, or `info`), at most SHARED_CACHE_CAP_MB, which is also the limit
+    where no memory size is reported (MLX on a CPU)."""
+    if info is None:
+        import mlx.core as mx
+
+        try:
+            info = mx.device_info()
+        except RuntimeError:  # a backend that cannot say
+            info = {}
+    size = info.get("total_memory") or info.get("memory_size")
+    if not isinstance(size, int) or size <= 0:
+        return float(SHARED_CACHE_CAP_MB)
+    return min(float(SHARED_CACHE_CAP_MB), size / SHARED_CACHE_SHARE / (1 << 20))
+
+
+def apply_cache_limit(limit_mb: float | str | None) -> None:
+    """Bound MLX's buffer cache (--cache-limit-mb; SHARED: `shared_cache_limit_mb`); None leaves MLX's default."""
     if limit_mb is not None:
         import mlx.core as mx
 
+        if limit_mb == SHARED:
+            limit_mb = shared_cache_limit_mb()
+            logging.getLogger(__name__).info("buffer cache limit: %.0f MiB (a shared device's)", limit_mb)
         mx.set_cache_limit(int(limit_mb * (1 << 20)))
 
 

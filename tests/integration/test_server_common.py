@@ -440,10 +440,12 @@ def test_cli_flags(tmp_path, monkeypatch):
     monkeypatch.setenv(cli.MODEL_ENV, str(tmp_path))
     assert cli.parse_args(cli.build_parser("svc", "test"), []).model == tmp_path
     assert args.cache_limit_mb is None
-    for bad in ("-1", "nan"):
+    for bad in ("-1", "nan", "Shared", "half"):
         with pytest.raises(SystemExit):
             cli.parse_args(cli.build_parser("svc", "test"), ["--model", str(tmp_path), "--cache-limit-mb", bad])
     assert cli.parse_args(cli.build_parser("svc", "test"), ["--model", str(tmp_path), "--cache-limit-mb", "0.5"]
                           ).cache_limit_mb == 0.5
+    assert cli.parse_args(cli.build_parser("svc", "test"), ["--model", str(tmp_path), "--cache-limit-mb", "shared"]
+                          ).cache_limit_mb == cli.SHARED
     assert cli.parse_ready_line("listening on [::]:50051\n") == ("[::]", 50051)
     assert cli.parse_ready_line("loading weights") is None

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from orchestrator.launcher import SHARED_CACHE_LIMIT_MB, launched
+from orchestrator.launcher import SHARED_CACHE_LIMIT, launched
 from services.common import cli
 
 
@@ -14,7 +14,8 @@ def _parsed(pid: int, model: Path):
 
 def test_launched_services_bound_their_buffer_cache_unless_told_otherwise(tiny_checkpoint):
     with launched(tiny_checkpoint, names=("codec",)) as children:
-        assert _parsed(children["codec"][0].process.pid, tiny_checkpoint).cache_limit_mb == SHARED_CACHE_LIMIT_MB
+        limit = _parsed(children["codec"][0].process.pid, tiny_checkpoint).cache_limit_mb
+        assert limit == SHARED_CACHE_LIMIT == cli.SHARED
     with launched(tiny_checkpoint, names=("codec",), flags={"codec": ["--cache-limit-mb", "100"]}) as children:
         assert _parsed(children["codec"][0].process.pid, tiny_checkpoint).cache_limit_mb == 100
 
@@ -33,3 +34,25 @@ def test_launched_services_get_their_own_environment_variables_over_this_process
     assert (env["VOICECHAT_PROBE"], env["VOICECHAT_NEW"], env["VOICECHAT_KEPT"]) == ("a=b", "", "parent")
     with launched(tiny_checkpoint, names=("codec",)) as children:
         assert _environment(children["codec"][0].process.pid)["VOICECHAT_PROBE"] == "parent"
+
+
+def test_a_shared_devices_cache_is_a_twentieth_of_its_memory_at_most_8_gib():
+    gib = 1 << 30
+    assert cli.shared_cache_limit_mb({"total_memory": 80 * gib}) == 80 * 1024 / 20  # an 80 GB card: 4 GiB
+    assert cli.shared_cache_limit_mb({"memory_size": 64 * gib}) == 64 * 1024 / 20  # Apple silicon reports this key
+    assert cli.shared_cache_limit_mb({"total_memory": 200 * gib}) == 8192  # capped
+    for unknown in ({}, {"architecture": "x86_64"}, {"total_memory": 0}, {"memory_size": "64 GB"}):
+        assert cli.shared_cache_limit_mb(unknown) == 8192
+
+
+def test_the_shared_limit_is_set_as_mlxs_cache_limit():
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(1 << 40)
+    try:
+        cli.apply_cache_limit(cli.SHARED)
+        assert mx.set_cache_limit(1 << 40) == int(cli.shared_cache_limit_mb() * (1 << 20))
+        cli.apply_cache_limit(100)
+        assert mx.set_cache_limit(1 << 40) == 100 << 20
+    finally:
+        mx.set_cache_limit(previous)
