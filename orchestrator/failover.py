@@ -282,6 +282,7 @@ class ReplayStream:
         opening.CopyFrom(self._open)
         opening.open.restore = True
         yield opening
+
         def request() -> tuple:
             message = type(self._open)()
             return message, message.restore
