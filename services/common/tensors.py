@@ -133,9 +133,13 @@ def from_proto_np(tensor: Tensor, *, bfloat16: str = "float32") -> np.ndarray:
 
 def numpy_from_wire(shape, dtype: int, data: bytes | Sequence[bytes], *, bfloat16: str = "float32") -> np.ndarray:
     """`from_proto_np` of a payload given as its bytes or as its pieces in order (a snapshot's entries)."""
-    view = wire_read(shape, dtype, _pieces(data))
-    native = view.dtype.newbyteorder("=")
-    bits = view if view.flags.owndata and view.dtype == native else view.astype(native, copy=True)
+    if _whole(data):
+        view = wire_view(shape, dtype, data)
+        bits = view.astype(view.dtype.newbyteorder("="), copy=True)
+    else:
+        view = wire_read(shape, dtype, data)  # a new array unless one piece brought it all
+        native = view.dtype.newbyteorder("=")
+        bits = view if view.flags.owndata and view.dtype == native else view.astype(native, copy=True)
     if dtype != tensor_pb2.DTYPE_BFLOAT16:
         return bits
     if bfloat16 == "bits":
@@ -158,7 +162,12 @@ def wire_read(shape, dtype: int, pieces: Sequence[bytes], axis: int = 0, width: 
     payload at the front and zeros past it. ValueError when the pieces' size does not match, or the array does
     not fit in `width`."""
     storage, shape = _fitting(shape, dtype, sum(map(len, pieces)))
-    wide = _wide(shape, axis, width)
+    return _read(storage, shape, _wide(shape, axis, width), pieces, axis)
+
+
+def _read(storage: np.dtype, shape: tuple[int, ...], wide: tuple[int, ...], pieces: Sequence[bytes],
+          axis: int) -> np.ndarray:
+    """`wire_read` of a payload already checked against its shape and width."""
     if wide == shape and len(pieces) == 1:
         return np.frombuffer(pieces[0], dtype=storage).reshape(shape)
     out = np.zeros(wide, storage)
@@ -211,8 +220,16 @@ def _fill(rows: np.ndarray, pieces: Sequence[bytes]) -> None:
             data, at = data[n:], at + n
 
 
-def _pieces(data: bytes | Sequence[bytes]) -> Sequence[bytes]:
-    return [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+def _fits_mlx(shape: tuple[int, ...]) -> None:
+    """ValueError for a dimension an MLX array cannot hold."""
+    if shape and max(shape) > MLX_MAX_DIM:
+        raise ValueError(f"tensor shape {list(shape)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
+                         "array can hold")
+
+
+def _whole(data: bytes | Sequence[bytes]) -> bool:
+    """Whether a payload is one run of bytes (a message's), not a snapshot's list of pieces."""
+    return isinstance(data, (bytes, bytearray, memoryview))
 
 
 def to_proto(array: mx.array | np.ndarray) -> Tensor:
@@ -238,15 +255,17 @@ def mlx_from_wire(shape, dtype: int, data: bytes | Sequence[bytes], axis: int = 
     `width` long along `axis`, zeros past the payload (one copy on the host, one into MLX)."""
     import mlx.core as mx
 
-    pieces = _pieces(data)
-    storage, shape = _fitting(shape, dtype, sum(map(len, pieces)))
-    wide = _wide(shape, axis, width)
-    if wide and max(wide) > MLX_MAX_DIM:
-        raise ValueError(f"tensor shape {list(wide)} has a dimension above {MLX_MAX_DIM}, the most an MLX "
-                         "array can hold")
-    bits = wire_read(shape, dtype, pieces, axis, width)
-    if not storage.isnative:
-        bits = bits.astype(storage.newbyteorder("="))
+    if _whole(data) and width is None:  # a message's tensor: a view of its bytes, copied once into MLX below
+        bits = wire_view(shape, dtype, data)
+        _fits_mlx(bits.shape)
+    else:
+        pieces = [data] if _whole(data) else data
+        storage, shape = _fitting(shape, dtype, sum(map(len, pieces)))
+        wide = _wide(shape, axis, width)
+        _fits_mlx(wide)  # before the buffer is made
+        bits = _read(storage, shape, wide, pieces, axis)
+    if not bits.dtype.isnative:
+        bits = bits.astype(bits.dtype.newbyteorder("="))
     if dtype == tensor_pb2.DTYPE_BFLOAT16:
         return mx.array(bits).view(mx.bfloat16)
     return mx.array(bits)  # a copy: the array does not hold on to the message's bytes
