@@ -55,6 +55,10 @@
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
+# REPEAT (1): each live run N times on the same services (bench.load --repeat; the services outlive the runs),
+# each run's timeline kept (PACE-K.timeline.json, PACE-K.timeline-2.json, ...) and its first OPENING seconds (2)
+# printed step by step beside the services' steps (bench.timeline --opening): a cost the first run pays and a
+# second does not is the services' first use, one both pay is the opening of many conversations itself.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_suite.sh OUT_DIR [MODEL_DIR]}
 model=${2:-/tmp/voicechat-full4}
@@ -212,11 +216,18 @@ live_runs() {  # live_runs FLAGS...: each pace and count through bench.load with
     for k in ${COUNTS:-$sessions 1}; do
       # shellcheck disable=SC2086  # $memory is a list of flags
       step "$pace-$k" "$py" -m bench.load "$@" --grpc "$k" --ws 0 --seconds "$seconds" --pace "$pace" \
-        --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" ${memory:+--memory $memory}
+        --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" ${memory:+--memory $memory} \
+        --repeat "${REPEAT:-1}"
       [ -n "${serve:-}" ] && scrape "$pace-$k"  # the services outlive the run only under our `serve`
-      # shellcheck disable=SC2086  # a list of flags
-      "$py" -m bench.timeline "$out/$pace-$k.timeline.json" $steps_of --settle-seconds "${SETTLE_SECONDS:-0}" \
-        | tee "$out/$pace-$k.steps.txt"
+      for r in $(seq 1 "${REPEAT:-1}"); do
+        run=""; [ "$r" = 1 ] || run=-$r
+        # shellcheck disable=SC2086  # a list of flags
+        "$py" -m bench.timeline "$out/$pace-$k.timeline$run.json" $steps_of \
+          --settle-seconds "${SETTLE_SECONDS:-0}" | tee "$out/$pace-$k$run.steps.txt"
+        # shellcheck disable=SC2086  # a list of flags
+        "$py" -m bench.timeline "$out/$pace-$k.timeline$run.json" $steps_of --opening "${OPENING:-2}" \
+          | tee "$out/$pace-$k$run.opening.txt"
+      done
     done
   done
 }

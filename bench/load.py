@@ -499,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave each conversation's first S seconds of frames out of the interval percentiles "
                              "and the jitter (its opening: the prompt, the first frames of every conversation "
                              "starting together)")
-    parser.add_argument("--timeline", type=Path, help="write each conversation's send and arrival times (JSON)")
+    parser.add_argument("--timeline", type=Path,
+                        help="write each conversation's send and arrival times (JSON); with --repeat N, run r > 1 "
+                             "writes PATH's name with -r before its suffix (live.json, live-2.json, ...)")
     add_budget_flag(parser)
     parser.add_argument("--memory", action="store_true",
                         help="report each service's MLX memory before and after the run (the services of the "
@@ -555,20 +557,28 @@ def main(argv: list[str] | None = None) -> int:
         serving = orchestrators(args.model, args.orchestrators, sessions, extra, started)
     with serving as (address, url):
         ok = True
-        for _ in range(args.repeat):
+        for r in range(1, args.repeat + 1):
             before = service_memory(metrics) if args.memory else {}
             report = run(args.address or address, args.realtime or url, [process.pid for process in started])
             memory = service_memory(metrics) if args.memory else {}
-            ok = show(report, args, before, memory) and ok
+            ok = show(report, args, before, memory, repeat_path(args.timeline, r)) and ok
     return 0 if ok else 1
 
 
-def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dict) -> bool:
-    """Print one run's report (and the services' memory around it); whether every conversation ended cleanly."""
+def repeat_path(path: Path | None, run: int) -> Path | None:
+    """Where run `run` (from 1) of a --repeat writes its timeline: the path itself for the first run, else its
+    name with -run before the suffix."""
+    return path if path is None or run == 1 else path.with_name(f"{path.stem}-{run}{path.suffix}")
+
+
+def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dict,
+         timeline: Path | None = None) -> bool:
+    """Print one run's report (and the services' memory around it), its timeline written to `timeline` when
+    given; whether every conversation ended cleanly."""
     report.settle_frames = round(args.settle_seconds / FRAME_S)
     report.budget_s = args.latency_budget_s
-    if args.timeline is not None:
-        args.timeline.write_text(json.dumps(report.timeline()))
+    if timeline is not None:
+        timeline.write_text(json.dumps(report.timeline()))
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
                           "transports": report.rows(), "error_messages": report.error_counts(),

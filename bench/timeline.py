@@ -13,6 +13,10 @@ partial one and of a full batch right after a partial one. A partial step or the
 than a full batch means a change of the batch's sessions costs the engine (caches re-stacked). A service holds
 every conversation, except replicas: names NAME-0, NAME-1, ... (as `bench/gpu_suite.sh` gives them) are the
 replicas of NAME, and round robin gives each its share of the conversations (`replica_shares`).
+
+`--opening S` prints the run's first S seconds instead, step by step: when the conversations sent their first
+chunk and got their first audio, and each service's every step (when it began, its size, how long it queued and
+ran). Many conversations opening together wait on what these first steps do that later ones do not.
 """
 
 from __future__ import annotations
@@ -96,6 +100,41 @@ def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0)
     }
 
 
+def opening(timeline: dict, steps: dict[str, list[dict]], seconds: float) -> dict:
+    """The run's first `seconds`: each conversation's first chunk and first audio (ms from the run's start), the
+    frames that arrived inside it, and every step each service began inside it (ms from the start)."""
+    start = timeline["start_monotonic"]
+    sent = [c["first_sent_s"] for c in timeline["conversations"] if c["first_sent_s"] is not None]
+    first = [c["arrivals_s"][0] - c["first_sent_s"] for c in timeline["conversations"]
+             if c["first_sent_s"] is not None and c["arrivals_s"]]
+    arrived = sum(1 for c in timeline["conversations"] for t in c["arrivals_s"] if t <= seconds)
+
+    def ms(t: float) -> float:
+        return round(t * 1000.0, 2)
+
+    return {
+        "seconds": seconds,
+        "first_sent_ms": {"min": ms(min(sent)) if sent else None, "max": ms(max(sent)) if sent else None},
+        "first_audio_ms": {k: None if v is None else round(v, 2) for k, v in _spread([ms(f) for f in first]).items()},
+        "frames_arrived": arrived,
+        "services": {name: [{"at_ms": ms(s["start"] - start), "size": s["size"],
+                             "queued_ms": ms(s["start"] - s["formed"]), "step_ms": ms(s["end"] - s["start"])}
+                            for s in rows if start <= s["start"] <= start + seconds]
+                     for name, rows in steps.items()},
+    }
+
+
+def print_opening(r: dict) -> None:
+    sent, first = r["first_sent_ms"], r["first_audio_ms"]
+    print(f"first {r['seconds']:g} s: first chunks sent {_ms(sent['min'])}-{_ms(sent['max'])} ms, first audio p50 "
+          f"{_ms(first['p50'])} / p95 {_ms(first['p95'])} / max {_ms(first['max'])} ms after it, "
+          f"{r['frames_arrived']} frames arrived")
+    print("each step: began at ms, size, queued ms, ran ms")
+    for name, rows in r["services"].items():
+        print(f"{name}: " + ", ".join(f"{s['at_ms']:.0f} {s['size']}x q{s['queued_ms']:.1f} {s['step_ms']:.1f}"
+                                      for s in rows))
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -136,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a service's --step-log (repeat per service)")
     parser.add_argument("--settle-seconds", type=float, default=0.0,
                         help="leave each conversation's first S seconds of intervals out (as bench.load does)")
+    parser.add_argument("--opening", type=float, metavar="S",
+                        help="print the first S seconds step by step instead (every step of every service)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.opening is not None and not args.opening > 0:
+        parser.error("--opening must be positive")
     try:
         timeline = json.loads(args.timeline.read_text())
         steps = {name: read_steps(path) for name, path in args.steps}
@@ -148,11 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.timeline} has no start_monotonic: write it with this version's bench.load --timeline",
               file=sys.stderr)
         return 1
-    r = report(timeline, steps, round(args.settle_seconds * 1000.0 / FRAME_MS))
+    if args.opening is not None:
+        r, show = opening(timeline, steps, args.opening), print_opening
+    else:
+        r, show = report(timeline, steps, round(args.settle_seconds * 1000.0 / FRAME_MS)), print_report
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print_report(r)
+        show(r)
     return 0
 
 

@@ -136,6 +136,46 @@ def test_the_timeline_report_lines_up_client_intervals_with_service_steps(tmp_pa
         report.main([str(path), "--steps", "tts"])
 
 
+def test_the_opening_view_lists_every_step_of_the_first_seconds(tmp_path, capsys):
+    import json
+
+    from bench import timeline as report
+
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"wall_s": 3.0, "start_monotonic": 50.0, "conversations": [
+        {"transport": "grpc", "first_sent_s": 0.02, "arrivals_s": [0.9, 1.0, 1.1]},
+        {"transport": "grpc", "first_sent_s": 0.04, "arrivals_s": [1.24, 2.5]},
+        {"transport": "grpc", "first_sent_s": None, "arrivals_s": []}]}))  # never sent: no first audio
+    steps = tmp_path / "llm.jsonl"
+    steps.write_text("\n".join(json.dumps(s) for s in [
+        {"formed": 49.0, "start": 49.5, "end": 49.6, "size": 9},  # before the run: left out
+        {"formed": 50.1, "start": 50.1025, "end": 50.5, "size": 2},
+        {"formed": 51.0, "start": 51.0, "end": 51.05, "size": 2},
+        {"formed": 51.3, "start": 51.3, "end": 51.31, "size": 1}]) + "\n")  # after the first second: left out
+    assert report.main([str(path), "--steps", f"llm={steps}", "--opening", "1.25", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["first_sent_ms"] == {"min": 20.0, "max": 40.0}
+    first = r["first_audio_ms"]  # 880 and 1200 ms after each one's first chunk
+    assert first["max"] == pytest.approx(1200.0) and first["p50"] == pytest.approx(1040.0)
+    assert r["frames_arrived"] == 4  # 0.9, 1.0, 1.1 and 1.24 s; not 2.5
+    assert r["services"]["llm"] == [{"at_ms": 102.5, "size": 2, "queued_ms": 2.5, "step_ms": 397.5},
+                                    {"at_ms": 1000.0, "size": 2, "queued_ms": 0.0, "step_ms": 50.0}]
+    assert report.main([str(path), "--steps", f"llm={steps}", "--opening", "1.25"]) == 0
+    out = capsys.readouterr().out
+    assert "first chunks sent 20.00-40.00 ms" in out and "llm: 102 2x q2.5 397.5, 1000 2x q0.0 50.0" in out
+    with pytest.raises(SystemExit):
+        report.main([str(path), "--opening", "0"])
+
+
+def test_each_repeat_writes_its_own_timeline(tmp_path):
+    from bench.load import repeat_path
+
+    path = tmp_path / "live-32.timeline.json"
+    assert repeat_path(path, 1) == path
+    assert repeat_path(path, 2) == tmp_path / "live-32.timeline-2.json"
+    assert repeat_path(None, 3) is None
+
+
 def test_replicas_partial_steps_count_against_their_share_of_the_conversations():
     from bench import timeline as report
 
