@@ -70,6 +70,7 @@ class CodecEngine:
         # the streams' contexts are rows of the last batched step's arrays: the next step of the same streams
         # gathers them without a copy
         self._rows = RowSources()
+        self._zeros: list[mx.array] | None = None  # a fresh stream's context (`_fresh_context`)
 
     @classmethod
     def load(cls, model_dir: str | Path, max_frames: int = DEFAULT_MAX_FRAMES) -> CodecEngine:
@@ -148,9 +149,10 @@ class CodecEngine:
         """One frame for each of several streams: entry i is the arguments of `stream.decode_frame(frame_index,
         codes)` and result i what that call returns, or the ValueError it raises (that stream left as it was).
 
-        Streams past their first frame run `Codec.compiled_stream_step` once over their contexts stacked along
-        the batch axis, and each gets its own row back; a stream's first frame (it creates the context), or a
-        lone stream, takes the solo path. A stream may appear at most once."""
+        Two or more streams run `Codec.compiled_stream_step` once over their contexts stacked along the batch
+        axis, and each gets its own row back; a fresh stream's context is the zeros its first frame would pad
+        with (`_fresh_context`), so streams opening together decode their first frames as one step. A lone
+        stream takes the solo path. A stream may appear at most once."""
         results: list[np.ndarray | Exception | None] = [None] * len(frames)
         checked: list[tuple[int, DecodeStream, np.ndarray]] = []
         seen: set[int] = set()
@@ -162,15 +164,25 @@ class CodecEngine:
                 checked.append((i, stream, stream._checked(frame_index, codes)))
             except (ValueError, LimitExceeded) as error:
                 results[i] = error
-        started = [entry for entry in checked if entry[1].state.frames_decoded > 0]
-        for i, stream, codes in checked:
-            if len(started) < 2 or stream.state.frames_decoded == 0:
-                results[i] = stream._decode(codes)
-        if len(started) > 1:
-            together = self._decode_together([stream for _, stream, _ in started], [codes for *_, codes in started])
-            for (i, _, _), samples in zip(started, together, strict=True):
+        if len(checked) == 1:
+            i, stream, codes = checked[0]
+            results[i] = stream._decode(codes)
+        elif checked:
+            together = self._decode_together([stream for _, stream, _ in checked], [codes for *_, codes in checked])
+            for (i, _, _), samples in zip(checked, together, strict=True):
                 results[i] = samples
         return results
+
+    def _fresh_context(self) -> list[mx.array]:
+        """A fresh stream's context in `_context` order: the zeros its first frame pads each decoder block and
+        the spectral frames with (`decode_step` on an empty `DecodeState`), shaped as a started stream's. Their
+        shapes and dtypes are read from a first frame's graph, never evaluated; made once."""
+        if self._zeros is None:
+            state = DecodeState()
+            self.codec.decode_step(mx.zeros((1, 1, self.num_quantizers), mx.int32), state)
+            self._zeros = [mx.zeros(a.shape, a.dtype) for a in _context(self.codec, state)]
+            mx.eval(self._zeros)
+        return self._zeros
 
     def _decode_together(self, streams: list[DecodeStream], codes: list[np.ndarray]) -> list[np.ndarray]:
         """Started streams' next frames in one compiled step; each stream's state becomes its own row."""
@@ -198,7 +210,7 @@ class CodecEngine:
         Rows of the last batched step that their streams still hold come first, in their old order, and cost
         no copy when they are all back in one piece (a run of them is a view; else one take per array); only
         the other streams' arrays are copied in, one concatenate per array."""
-        contexts = [_context(self.codec, state) for state in states]
+        contexts = [_context(self.codec, state) if state.frames_decoded else self._fresh_context() for state in states]
         order = self._rows.arrange([context[0] for context in contexts])
         return order, [self._rows.gather([contexts[p][k] for p in order]) for k in range(len(contexts[0]))]
 

@@ -272,6 +272,20 @@ class GroupedCache(abc.ABC):
             other._keys, other._values = mx.array(keys), mx.array(values)
         return other
 
+    def split_rows(self) -> list[GroupedCache]:
+        """A cache written for B sessions at once (its own arrays, in no group) as B caches of one row each, with
+        its counters: row b is what session b writing its own keys would hold. The rows are views of its arrays
+        (a later write of one makes that row's own)."""
+        if self.group is not None or self._keys is None:
+            raise ValueError("only a cache holding keys of its own splits into rows")
+        rows = []
+        for keys, values in zip(mx.split(self._keys, self._keys.shape[0]), mx.split(self._values,
+                                                                                 self._values.shape[0]), strict=True):
+            row = copy.copy(self)
+            row._keys, row._values = keys, values
+            rows.append(row)
+        return rows
+
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""
         self.group = None
@@ -678,6 +692,17 @@ class PooledState:
         other = copy.copy(self)
         other.state = tuple(None if a is None else mx.array(a) for a in self.state)
         return other
+
+    def split_rows(self) -> list[PooledState]:
+        """A state computed for B sessions at once (arrays of B rows) as B states of one row each (views)."""
+        columns = [None if a is None else mx.split(a, a.shape[0]) for a in self.state]
+        count = max(len(c) for c in columns if c is not None)
+        rows = []
+        for b in range(count):
+            row = copy.copy(self)
+            row.state = tuple(None if c is None else c[b] for c in columns)
+            rows.append(row)
+        return rows
 
     def dtypes(self) -> tuple[Any, ...]:
         """Its arrays' dtypes, without reading held rows."""

@@ -25,6 +25,7 @@ from services.common import layers, split_matmul
 from services.common.batching import raise_first
 from services.common.cache import (
     STACK_ALL,
+    FullCache,
     MambaCache,
     StatePools,
     context_bound,
@@ -472,8 +473,9 @@ class LanguageEngine:
         call would (or the ValueError / LimitExceeded it would raise, that session untouched), in order.
 
         Sessions with cached state of the same dtypes step together as one batched forward (`BatchedStep`);
-        a single entry, full-history sessions, first positions (empty caches) and a group of one take the solo
-        path. Each session's state stays its own, so sessions may move between solo and batched steps at any
+        sessions at their first position (empty caches: opened together, no prompt) as one forward of their
+        own (`_first_positions`); a single entry, full-history sessions and a group of one take the solo path.
+        Each session's state stays its own, so sessions may move between solo and batched steps at any
         position. The only numeric difference from solo is the rounding of matmuls over B rows: on CUDA, MLX
         runs float32 GEMMs over B >= 2 rows in TF32 unless MLX_ENABLE_TF32=0 (logits ~4e-2 off instead of ~4e-5,
         enough to flip a near-tied argmax); quantized matmuls are per-row exact."""
@@ -482,8 +484,10 @@ class LanguageEngine:
 
         def signature(step: Step) -> tuple | None:
             session, audio, _, frame_index = step
-            if len(steps) == 1 or not self._batchable(session) or self._rejects(session, audio, frame_index):
+            if len(steps) == 1 or not self._joins(session) or self._rejects(session, audio, frame_index):
                 return None  # alone: a bad entry's step raises there, touching nothing
+            if not session.positions:
+                return _first_signature(session, audio)
             return session.cache_dtypes()  # sessions batch together only when these agree
 
         batched, solo = group_by_signature(steps, signature, lambda step: step[0].session_id)
@@ -493,8 +497,11 @@ class LanguageEngine:
                 results[i] = steps[i][0].step(*steps[i][1:])
             except (ValueError, LimitExceeded) as exc:
                 results[i] = exc
-        for members, outputs in zip(batched, self._run_groups([[steps[i] for i in m] for m in batched]),
-                                    strict=True):
+        first = [m for m in batched if not steps[m[0]][0].positions]
+        cached = [m for m in batched if steps[m[0]][0].positions]
+        done = [*((m, self._first_positions([steps[i] for i in m])) for m in first),
+                *zip(cached, self._run_groups([[steps[i] for i in m] for m in cached]), strict=True)]
+        for members, outputs in done:
             for i, out in zip(members, outputs, strict=True):
                 results[i] = out
         return results  # type: ignore[return-value]
@@ -512,9 +519,12 @@ class LanguageEngine:
                 results[i] = ValueError(f"session {session.session_id} has no prompt rows left to feed")
 
         def signature(session: LanguageSession) -> tuple | None:
-            if len(sessions) == 1 or not self._batchable(session) or not session.prompt_pending:
+            if len(sessions) == 1 or not self._joins(session) or not session.prompt_pending:
                 return None
-            return session.cache_dtypes(), session.prompt_embeds.dtype
+            row = session.prompt_embeds[session.prompt_positions]
+            if not session.positions:
+                return _first_signature(session, row)
+            return session.cache_dtypes(), row.dtype
 
         batched, solo = group_by_signature(sessions, signature, lambda s: s.session_id)
         for i in solo:
@@ -522,15 +532,46 @@ class LanguageEngine:
                 sessions[i].feed_prompt_row()
         rows = [[(s, s.prompt_embeds[s.prompt_positions], False, None) for s in (sessions[i] for i in members)]
                 for members in batched]
-        self._run_groups(rows, heads=False)
+        first = [g for g in rows if not g[0][0].positions]
+        self._run_groups([g for g in rows if g[0][0].positions], heads=False)
+        for group in first:
+            self._first_positions(group, heads=False)
         for session, result in zip(sessions, results, strict=True):
             if result is None:
                 self._keep_prompted(session)
         return results
 
-    def _batchable(self, session: LanguageSession) -> bool:
-        return (session.model is self.model and not session.closed and not session.full_history
-                and session.positions > 0)
+    def _joins(self, session: LanguageSession) -> bool:
+        """Whether the session may step with others: one of this model's, open, on caches."""
+        return session.model is self.model and not session.closed and not session.full_history
+
+    def _first_positions(self, steps: list[Step], heads: bool = True) -> list[StepOutput] | list[None]:
+        """Sessions at their first position (caches empty; every entry checked, one `_first_signature`) run it
+        as one forward of B rows: the plain path's, into caches made for the B of them, which each session then
+        takes its row of, as its own first position would have left its caches. The rows differ from each
+        session's own only by the rounding of matmuls over B rows, as a batched step's do. Each entry's output
+        (without `heads`, prompt rows: counted as fed, no outputs)."""
+        sessions = [step[0] for step in steps]
+        b, model = len(sessions), self.model
+        caches = model.make_caches(_bound(sessions[0]))
+        audio = _stacked_rows([step[1] for step in steps]).reshape(b, 1, -1)
+        prev_text = mx.array([[s.prev_text] for s in sessions], dtype=mx.int32)
+        prev_function = mx.array([[s.prev_function] for s in sessions], dtype=mx.int32)
+        hidden = model.backbone(model.fuse_ids(prev_text, audio, prev_function), caches)
+        out: tuple[mx.array, ...] = ()
+        if heads:
+            text_logits, function_logits = model.heads(hidden)
+            ids = mx.stack([mx.argmax(text_logits[:, -1], axis=-1), mx.argmax(function_logits[:, -1], axis=-1)],
+                           axis=1)  # (B, 2): each row's greedy pair
+            out = (text_logits, function_logits, ids)
+        mx.eval(*out, [a for c in caches if c is not None for a in c.arrays()])
+        rows = [[None] * b if c is None else c.split_rows() for c in caches]
+        for r, session in enumerate(sessions):
+            session.caches = [layer[r] for layer in rows]
+            session.positions += 1
+        if not heads:
+            return _fed(sessions)
+        return self._finish(steps, list(range(b)), out)
 
     @staticmethod
     def _rejects(session: LanguageSession, audio: mx.array, frame_index: int | None) -> bool:
@@ -602,6 +643,17 @@ def _stacked_rows(rows: Sequence[AudioRow | None]) -> mx.array:
     arrays = [row if row is None or isinstance(row, mx.array) else mx.array(row) for row in rows]
     zero = mx.zeros(first.shape, next(a for a in arrays if a is not None).dtype)
     return mx.stack([zero if a is None else a for a in arrays])
+
+
+def _bound(session: LanguageSession):
+    """The bound its attention caches hold keys to (None: unbounded, or no attention layer)."""
+    return next((c.bound for c in session.caches if isinstance(c, FullCache)), None)
+
+
+def _first_signature(session: LanguageSession, row: AudioRow) -> tuple:
+    """What sessions at their first position must share to run it as one forward: its caches' bound and the
+    dtype of the row it feeds (a step's float32 audio, a prompt row's prefix dtype)."""
+    return "first", _bound(session), str(row.dtype).rpartition(".")[2]
 
 
 def _copies(caches: list[LayerCache]) -> list[LayerCache]:

@@ -210,9 +210,9 @@ class PerceptionEngine:
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Push quiet noise through throwaway streams: `steps` batched pushes at every batch size 1..max_batch
         while their attention caches fill (the padded step), again once they are full (the plain step), then at
-        every size from 2 the pushes of streams opened together while their encoder windows still grow, so each
-        size's compiled steps are traced (and, on a GPU, their kernels built) before a client's frame waits for
-        them. The streams are dropped after."""
+        every size from 2 the pushes of streams opened together, their first one included, while their encoder
+        windows still grow, so each size's compiled steps are traced (and, on a GPU, their kernels built) before
+        a client's frame waits for them. The streams are dropped after."""
         noise = np.random.default_rng(0)
         frame = lambda: (1e-3 * noise.standard_normal(self.frame_samples)).astype(np.float32)  # noqa: E731
 
@@ -220,13 +220,12 @@ class PerceptionEngine:
             raise_first(self.push_batch([(stream, frame()) for stream in some]))
 
         def opened(count: int) -> list[PerceptionStream]:
-            """`count` new streams, each past its first push (alone): the next one can join a batch."""
+            """`count` new streams past their first push, taken together as streams opening together take it."""
             streams = [self.open_stream() for _ in range(count)]
-            for stream in streams:
-                while not stream.batchable:
-                    stream.push(frame())
+            push(streams)
             return streams
 
+        opened(1)  # a stream's first push alone
         streams = opened(max_batch)
         for _ in range(2):  # caches filling, then full
             for size in range(1, max_batch + 1):
@@ -248,14 +247,14 @@ class PerceptionEngine:
         """`stream.push(frame)` for several sessions as one step; entry i's result is what that push returns,
         or the ValueError it raises (that session's state untouched).
 
-        Sessions past their first push whose encoder windows share one shape run the conformer step, the
+        Sessions whose encoder windows share one shape run the conformer step, the
         projection and the RNNT's first greedy steps as one batched graph with one evaluation; a session whose
         attention caches are still filling joins with its caches padded at the front and the padding masked
         out. Sessions whose every greedy step emitted propose their next ones together, one host read per
         round. Sessions whose mel streams share one buffer layout (all of them, past their first pushes) run
         the log-mel front end as one computation over their stacked sample buffers, and build their encoder
-        windows as one array. A batch of one, a session's first push, and a session alone with its window shape
-        take the solo path."""
+        windows as one array. A batch of one and a session alone with its window shape take the solo path;
+        sessions opening together take their first pushes as one batch."""
         results: list[StreamFrame | Exception | None] = [None] * len(frames)
         checked = self._checked(frames, results)
         mels = self._push_mel([stream for _, stream, _ in checked], [samples for _, _, samples in checked])
@@ -476,10 +475,12 @@ class PerceptionStream:
 
     @property
     def batchable(self) -> bool:
-        """Past its first push, nothing pending: the next push is one encoder step, which can join a batch (its
-        attention caches may still be filling: the batch pads them)."""
+        """Nothing pending: the next push is one encoder step, which can join a batch (its attention caches may
+        still be filling, or empty before its first push: the batch pads them)."""
         enc = self.encoder
-        return enc.mel_cache is not None and (enc.pending is None or enc.pending.shape[1] == 0)
+        if enc.mel_cache is None:  # fresh: its first push begins its window and mel buffer, as the others' do
+            return enc.pending is None and not self.mel.total
+        return enc.pending is None or enc.pending.shape[1] == 0
 
     def held_rows(self) -> list[mx.array]:
         """The cache arrays this session holds (the mel sample buffer, the encoder's mel and per-layer caches and

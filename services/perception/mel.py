@@ -172,9 +172,10 @@ class MelStream:
     def layout(self, n: int) -> tuple | None:
         """What `push` of n samples does in buffer-relative terms: (retained length, n, the next frame's centre
         in the buffer, frames emitted, samples dropped from the front, config, lookahead). Streams with equal
-        layouts can push as one `push_stacked`; None where the push emits nothing or the buffer is empty."""
+        layouts can push as one `push_stacked` (fresh streams too: their buffers are empty); None where the push
+        emits nothing."""
         end = self._end(self.total + n)
-        if not self.samples.size or end <= self.next_frame:
+        if end <= self.next_frame:
             return None
         hop = self.cfg.hop_length
         drop = max(max(end - self.keep_frames, 0) * hop - self.offset, 0)
@@ -212,7 +213,8 @@ def push_stacked(
     cfg = streams[0].cfg
     if retained is None:
         retained = mx.stack([s.samples for s in streams])
-    buffer = mx.concatenate([retained, chunks.astype(mx.float32)], axis=-1)
+    chunks = chunks.astype(mx.float32)
+    buffer = mx.concatenate([retained, chunks], axis=-1) if retained.shape[-1] else chunks  # fresh: chunks alone
     half = cfg.n_fft // 2
     out = _buffer_frames(buffer, centre - half, centre + (count - 1) * cfg.hop_length + half, count, cfg)
     kept = buffer[:, drop:] if drop else buffer

@@ -67,18 +67,17 @@ def test_streams_batched_in_changing_company_equal_each_stream_alone(engine):
     batched_frames = 0
     for batch, alone in SCHEDULE:
         entries = [next_entry(streams[name], codes[name]) for name in batch]
-        started = sum(streams[name].state.frames_decoded > 0 for name in batch)
-        ran = [streams[name] for name in batch if streams[name].state.frames_decoded > 0]
+        ran = [streams[name] for name in batch]
         for name, samples in zip(batch, engine.decode_batch(entries), strict=True):
             got[name].append(samples)
-        if started > 1:  # the started streams ran as one batch: their contexts are rows of its arrays
-            (source,) = {id(engine._rows.source_of(s.state.spec_real)[0]) for s in ran}
-            assert engine._rows.source_of(ran[0].state.spec_real)[0].shape[0] == started
-            batched_frames += started
+        # the batch ran as one step, fresh streams' first frames too: their contexts are rows of its arrays
+        (source,) = {id(engine._rows.source_of(s.state.spec_real)[0]) for s in ran}
+        assert engine._rows.source_of(ran[0].state.spec_real)[0].shape[0] == len(batch)
+        batched_frames += len(batch)
         for name in alone:
             stream, index, frame = next_entry(streams[name], codes[name])
             got[name].append(stream.decode_frame(index, frame))
-    assert batched_frames == 25
+    assert batched_frames == 29
 
     for name in names:
         solo_samples, solo_stream = expected[name]
@@ -93,15 +92,34 @@ def test_streams_batched_in_changing_company_equal_each_stream_alone(engine):
 def test_a_batch_of_one_is_the_solo_path_bit_for_bit(engine):
     codes = random_codes(engine, 4, seed=7)
     solo, _ = solo_run(engine, codes)
-    stream, fresh = engine.open_stream(), engine.open_stream()
+    stream = engine.open_stream()
     for index, frame in enumerate(codes):
-        entries = [(stream, index, frame)]
-        if index == 2:  # a started stream with a fresh one beside it still runs alone: bit for bit
-            entries.append((fresh, 0, frame))
-        [samples, *_] = engine.decode_batch(entries)
+        [samples] = engine.decode_batch([(stream, index, frame)])
         np.testing.assert_array_equal(samples, solo[index])
     assert stream.next_frame == stream.state.frames_decoded == 4
-    assert fresh.next_frame == 1
+
+
+def test_streams_opening_together_decode_their_first_frames_as_one_step(engine):
+    """Fresh streams join a batch with the zeros their first frame would pad with: one step for all of them
+    (a started stream beside them too), each frame and context what the stream alone gives."""
+    codes = [random_codes(engine, 3, seed) for seed in range(30, 34)]
+    expected = [solo_run(engine, c) for c in codes]
+    streams = [engine.open_stream() for _ in codes]
+    got = [[stream.decode_frame(0, codes[0][0])] for stream in streams[:1]] + [[] for _ in streams[1:]]
+    for _ in range(3):
+        entries = [(s, s.next_frame, c[s.next_frame]) for s, c in zip(streams, codes, strict=True)
+                   if s.next_frame < len(c)]
+        for (s, _, _), samples in zip(entries, engine.decode_batch(entries), strict=True):
+            got[streams.index(s)].append(samples)
+        sources = {id(engine._rows.source_of(s.state.spec_real)[0]) for s, _, _ in entries}
+        assert len(sources) == 1  # one step, fresh and started alike
+    for (solo, solo_stream), mine, stream in zip(expected, got, streams, strict=True):
+        for a, b in zip(mine, solo, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+        assert_same_stream(stream, solo_stream)
+    fresh = engine._fresh_context()
+    assert not any(mx.any(z).item() for z in fresh)
+    assert [(z.shape, z.dtype) for z in fresh] == [(a.shape, a.dtype) for a in streams[0].state.arrays()]
 
 
 def test_a_bad_entry_gets_its_error_and_leaves_every_stream_right(engine):

@@ -19,7 +19,7 @@ from tests.unit.test_snapshots import crossed
 # may round a matmul over B rows differently, which this bound allows.
 LOGIT_TOLERANCE = 1e-4
 FRAMES = 14
-# Four sessions: f32 prompts, no prompt (first step solo: its caches are created there), a bf16 prompt prefix
+# Four sessions: f32 prompts, no prompt (its caches are created at its first step), a bf16 prompt prefix
 # (its attention caches stay bf16: it batches only with its own kind).
 OPENS = [
     {"system_prompt": "Be concise and answer in one sentence."},
@@ -386,6 +386,65 @@ def test_prompts_fed_a_row_at_a_time_in_batches_equal_a_prefilled_open(engines, 
     done = engine.prefill_batch(sessions[:2])
     assert all(isinstance(r, ValueError) and "no prompt rows left" in str(r) for r in done)
     for session in sessions:
+        engine.close_session(session)
+
+
+@pytest.mark.parametrize("kind", ["dense", "4bit-as-bf16"])
+def test_sessions_opening_together_run_their_first_position_as_one_forward(engines, embeds, monkeypatch, kind):
+    """Three sessions without a prompt take their first step as one plain forward of three rows (and three bf16
+    prompts their first rows), then step on as sessions that opened alone: the same ids, logits within the
+    batched tolerance, the same counters and cache shapes and dtypes."""
+    from services.llm.nemotron_h import NemotronH
+
+    engine = engines[kind]
+    monkeypatch.setattr(engine, "prompts_kept", 0)
+    forwards = []
+    original = NemotronH.__call__
+
+    def spy(self, x, caches=None):
+        forwards.append(x.shape[0])
+        return original(self, x, caches)
+
+    expected = [_solo(engine, embeds, 1, 4) for _ in range(3)]  # OPENS[1]: no prompt
+    monkeypatch.setattr(NemotronH, "__call__", spy)
+    sessions = [_open(engine, 1) for _ in range(3)]
+    got = [[] for _ in sessions]
+    for t in range(4):
+        outs = engine.step_batch([(s, _inputs(embeds, 1, 4)[t], True, t) for s in sessions])
+        for k, out in enumerate(outs):
+            got[k].append(out)
+        if t == 0:
+            assert forwards == [3]  # one forward of the three first positions, none alone
+    for mine, theirs in zip(got, expected, strict=True):
+        assert [(o.text_id, o.function_id) for o in mine] == [(o.text_id, o.function_id) for o in theirs]
+        assert max(_max_diff(a, b) for a, b in zip(mine, theirs, strict=True)) <= LOGIT_TOLERANCE
+    alone = _open(engine, 1)
+    alone.step(_inputs(embeds, 1, 1)[0])
+    for session in sessions:
+        assert (session.positions, session.frames) == (4, 4)
+        assert len(session.caches) == len(alone.caches)
+        for mine, theirs in zip(session.caches, alone.caches, strict=True):
+            assert type(mine) is type(theirs)
+            if mine is not None:
+                assert mine.dtypes() == theirs.dtypes()
+        engine.close_session(session)
+    assert [a.shape for c in alone.caches if c is not None for a in c.arrays()][0][0] == 1
+
+    forwards.clear()
+    spec = {"prompt_token_ids": [1, 17, 42, 2], "prefix_dtype": "bfloat16"}
+    prefilled = engine.open_session(**spec)
+    fed = [engine.open_session(**spec, prefill=False) for _ in range(3)]
+    forwards.clear()
+    assert engine.prefill_batch(fed) == [None] * 3
+    assert forwards == [3] and all((s.positions, s.prompt_positions) == (1, 1) for s in fed)
+    while fed[0].prompt_pending:
+        engine.prefill_batch(fed)
+    row = _inputs(embeds, 0, 1)[0]
+    want = prefilled.step(row, return_logits=True, frame_index=0)
+    for out in engine.step_batch([(s, row, True, 0) for s in fed]):
+        assert (out.text_id, out.function_id) == (want.text_id, want.function_id)
+        assert _max_diff(out, want) <= LOGIT_TOLERANCE
+    for session in (prefilled, alone, *fed):
         engine.close_session(session)
 
 

@@ -104,6 +104,26 @@ def test_batched_sessions_equal_their_solo_runs_as_the_batch_changes(engine, bat
     assert max(batch_sizes) == 4 and {2, 3} <= set(batch_sizes)
 
 
+def test_sessions_opening_together_take_their_first_push_as_one_step(engine, batch_sizes):
+    """Three fresh streams' first pushes run as one batched step (their mel buffers stacked, their windows and
+    caches begun together), and every frame after equals each stream's solo run."""
+    audio = [_audio(engine, k) for k in range(3)]
+    expected = [_solo(engine, a, 6) for a in audio]
+    streams = [engine.open_stream() for _ in audio]
+    assert all(s.batchable for s in streams)
+    got = [[] for _ in audio]
+    for f in range(6):
+        for k, out in enumerate(engine.push_batch([(s, _frame(engine, a, f)) for s, a in zip(streams, audio,
+                                                                                              strict=True)])):
+            got[k].append(out)
+        if f == 0:
+            assert batch_sizes == [3]  # the first pushes: one step, none alone
+    assert batch_sizes == [3] * 6
+    for k in range(3):
+        for e, g in zip(expected[k], got[k], strict=True):
+            _assert_same(e, g)
+
+
 def test_sessions_still_filling_their_caches_batch_padded_and_equal_solo(engine, monkeypatch):
     padded = []
     original = engine.encoder.compiled_padded_stream_step

@@ -66,23 +66,26 @@ def test_stacked_pushes_equal_solo_as_streams_join_push_solo_and_leave():
             if not 0 <= f < FRAMES or tick >= stop[k]:
                 continue
             x = _chunk(audio[k], f)
-            if (k, tick) in solo_ticks or stream.layout(FRAME) is None:
+            if (k, tick) in solo_ticks:
                 got[k].append(stream.push(mx.array(x)))
-            else:  # a stream's second push (one frame emitted so far) has a layout of its own, then all share one
-                layouts.setdefault(stream.layout(FRAME), []).append((k, x))
-        assert len([m for m in layouts.values() if len(m) > 1]) <= 1
+            else:  # first pushes share a layout (empty buffers), second ones another, then all share one
+                layouts.setdefault(stream.layout(FRAME), []).append((k, x, f))
+        assert len([m for m in layouts.values() if len(m) > 1]) <= 2
         for members in layouts.values():
             if len(members) == 1:
-                k, x = members[0]
+                k, x, _ = members[0]
                 got[k].append(streams[k].push(mx.array(x)))
                 continue
-            out = push_stacked([streams[k] for k, _ in members], mx.array(np.stack([x for _, x in members])))
-            assert out.shape == (len(members), 8, CFG.features)
-            for j, (k, _) in enumerate(members):
+            out = push_stacked([streams[k] for k, *_ in members], mx.array(np.stack([x for _, x, _ in members])))
+            k, _, f = members[0]
+            assert out.shape == (len(members), expected[k][f].shape[0], CFG.features)  # a first push emits 1 frame
+            stacked_sizes.append((len(members), out.shape[1]))
+            for j, (k, *_) in enumerate(members):
                 got[k].append(out[j])
-            stacked_sizes.append(len(members))
         mx.eval([g[-1] for g in got if g], [s.samples for s in streams])
-    assert 4 in stacked_sizes and 3 in stacked_sizes and 2 in stacked_sizes
+    sizes = {size for size, _ in stacked_sizes}
+    assert 4 in sizes and 3 in sizes and 2 in sizes
+    assert (2, 1) in stacked_sizes  # streams 0 and 1 took their first pushes stacked
     for k in range(4):
         assert len(got[k]) == min(stop[k] - start[k], FRAMES)
         for e, g in zip(expected[k][: len(got[k])], got[k], strict=True):
@@ -99,7 +102,8 @@ def test_stacked_pushes_equal_solo_as_streams_join_push_solo_and_leave():
 
 def test_layouts_group_streams_by_their_buffer_and_refuse_a_mismatch():
     a, b = MelStream(CFG, lookahead=FRAME), MelStream(CFG, lookahead=FRAME)
-    assert a.layout(FRAME) is None  # the first push: nothing retained yet
+    assert a.layout(FRAME) == b.layout(FRAME) is not None  # first pushes, nothing retained yet: one layout
+    assert a.layout(FRAME)[0] == 0
     a.push(mx.array(_audio(0, 1)))
     b.push(mx.array(_audio(1, 1)))
     assert a.layout(FRAME) == b.layout(FRAME) is not None
