@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from bench.service import HOLDING, SERVICES
-from services.common.loading import keep_float32_matmuls
+from services.common.loading import process_settings
 
 READY_TIMEOUT_S = 900.0  # a holder's load, precompile and warm-up (minutes on a fresh GPU machine)
 RUN_TIMEOUT_S = 900.0  # one measured run, its load included
@@ -188,7 +188,7 @@ def engine_list(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--engines", type=engine_list, default=list(SERVICES),

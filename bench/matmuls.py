@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from services.common import layers, split_matmul
-from services.common.loading import LoadOptions, keep_float32_matmuls
+from services.common.loading import LoadOptions, process_settings
 from services.llm.engine import LanguageEngine
 
 CHECK_COLUMNS = 4096
@@ -133,7 +133,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(prog="python -m bench.matmuls", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--rows", default="1,16", help="row counts, comma-separated (default 1,16)")

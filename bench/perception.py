@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.stages import KernelCounter, SyncCounter, frames_of, summarize
-from services.common.loading import LoadOptions, keep_float32_matmuls
+from services.common.loading import LoadOptions, process_settings
 from services.perception.engine import PerceptionEngine, PerceptionStream
 
 PARTS = ("mel", "encoder", "rnnt")
@@ -106,7 +106,7 @@ def run(model: Path, frames: int, warmup: int, float32_weights: bool, count_kern
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frames", type=int, default=40)

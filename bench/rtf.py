@@ -34,7 +34,7 @@ from bench.reference_driver import question_padded
 from orchestrator.connect import parse_service_env, parse_service_flags, service_envs, service_flags
 from orchestrator.local import local_clients
 from orchestrator.timeline import run_offline
-from services.common.loading import keep_float32_matmuls
+from services.common.loading import process_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REFERENCE = ROOT / ".ref" / "bin" / "python"
@@ -236,7 +236,7 @@ def print_online(runs: dict[str, dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["offline", "online"])
     parser.add_argument("--model", type=Path, required=True)

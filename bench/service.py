@@ -76,7 +76,7 @@ from protos.voicechat.v1 import (
 )
 from services.common.cli import apply_cache_limit, apply_memory_limit
 from services.common.config import VoiceChatConfig
-from services.common.loading import AS_STORED, LoadOptions, keep_float32_matmuls
+from services.common.loading import AS_STORED, LoadOptions, process_settings
 from services.common.metrics import scrape
 from services.common.tensors import to_proto_np
 
@@ -416,7 +416,7 @@ def session_counts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("service", choices=SERVICES)
     parser.add_argument("--model", type=Path, required=True, help="checkpoint (its config shapes the inputs)")

@@ -33,7 +33,7 @@ import numpy as np
 
 from orchestrator.profile import percentile
 from services.codec.engine import CodecEngine
-from services.common.loading import LoadOptions, keep_float32_matmuls
+from services.common.loading import LoadOptions, process_settings
 from services.llm.engine import LanguageEngine
 from services.perception.engine import PerceptionEngine
 from services.tts.engine import TTSEngine
@@ -327,7 +327,7 @@ def run(model: Path, frames: int, warmup: int, count_syncs: bool = False, count_
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_float32_matmuls()  # before this process's engines (or the services it starts) run a matmul
+    process_settings()  # before this process's engines (or the services it starts) run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--frames", type=int, default=50)

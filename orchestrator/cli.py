@@ -53,7 +53,7 @@ from services.common.checkpoint import CheckpointError
 from services.common.cli import exit_process
 from services.common.config import ConfigError, VoiceChatConfig
 from services.common.errors import EXIT_BIND, BindError
-from services.common.loading import keep_float32_matmuls
+from services.common.loading import process_settings
 from services.common.metrics import Metrics, add_metrics_flags, start_from_args
 from services.common.security import load_tls
 from services.common.server import DEFAULT_GRACE_S
@@ -414,7 +414,7 @@ def tool_runner(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    keep_float32_matmuls()  # before an in-process engine runs its first matmul
+    process_settings()  # before an in-process engine runs
     parser = build_parser()
     args = parser.parse_args(argv)
     code = _run(args)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
 from services.common.errors import EXIT_BIND, BindError
-from services.common.loading import DEFAULT_MAX_CONTEXT, keep_float32_matmuls
+from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
 from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Registration, RunningServer, serve
@@ -323,7 +323,7 @@ def run_service(
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
     """Parse flags, build the service, serve until SIGTERM/SIGINT; returns the process exit code."""
-    keep_float32_matmuls()
+    process_settings()
     die_with_parent()
     parser = build_parser(prog, description)
     if add_arguments is not None:

@@ -18,14 +18,25 @@ WEIGHTS_DTYPES = ("stored", "bfloat16")
 DEFAULT_MAX_CONTEXT = 8192
 
 
-def keep_float32_matmuls() -> None:
-    """Keep float32 matmuls in full float32 unless the environment says otherwise: call at a process's entry
-    point, before MLX runs its first matmul (no effect off CUDA).
+# The sizes of MLX's CUDA plan caches (cuDNN convolution plans, cuFFT plans, cuDNN attention graphs; by default
+# 128, 128 and 256), keyed by shape, which stop the process ("Cache thrashing is happening") once their misses
+# pass twice their size. Every batch size a service compiles is shapes of its own: perception's 32 sessions,
+# their first pushes, young windows and full ones, need more than 128 convolution plans.
+PLAN_CACHES = {"MLX_CUDA_CONV_CACHE_SIZE": "4096", "MLX_CUDA_FFT_CACHE_SIZE": "4096",
+               "MLX_CUDA_SDPA_CACHE_SIZE": "4096"}
+
+
+def process_settings() -> None:
+    """What MLX reads from the environment at its first use, set unless the environment says otherwise: call at
+    a process's entry point, before MLX runs (no effect off CUDA).
 
     On CUDA, MLX runs float32 matmuls of two or more rows in TF32 unless MLX_ENABLE_TF32=0. A session's rows in
     a batched step would then round differently from the same session stepped alone (a one-row matmul never
-    uses TF32), and near-tied tokens could flip with the batch's company."""
+    uses TF32), and near-tied tokens could flip with the batch's company: TF32 off. The plan caches get room
+    for every batch size's shapes (`PLAN_CACHES`)."""
     os.environ.setdefault(TF32_ENV, "0")
+    for name, size in PLAN_CACHES.items():
+        os.environ.setdefault(name, size)
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ def test_run_entries_skips_the_batch_when_nothing_is_left():
 
 def test_entry_points_keep_float32_matmuls_out_of_tf32_unless_told(tmp_path):
     """Importing the services sets nothing; a service's entry point (`run_service`, here failing on a missing
-    model directory after it) and the orchestrator's set MLX_ENABLE_TF32=0 unless the environment chose."""
+    model directory after it) and the orchestrator's set MLX_ENABLE_TF32=0 unless the environment chose, and the
+    CUDA plan caches' sizes the same way."""
     import os
     import subprocess
     import sys
@@ -202,6 +203,8 @@ def test_entry_points_keep_float32_matmuls_out_of_tf32_unless_told(tmp_path):
     assert probe(imported) == "None"
     assert [probe(service), probe(service, MLX_ENABLE_TF32="1")] == ["0", "1"]
     assert [probe(orchestrator), probe(orchestrator, MLX_ENABLE_TF32="1")] == ["0", "1"]
+    conv = service.replace("'MLX_ENABLE_TF32'", "'MLX_CUDA_CONV_CACHE_SIZE'")
+    assert [probe(conv), probe(conv, MLX_CUDA_CONV_CACHE_SIZE="64")] == ["4096", "64"]
 
 
 def test_queued_and_running_count_the_steps_not_yet_answered(engine_thread):
