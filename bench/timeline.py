@@ -14,9 +14,10 @@ than a full batch means a change of the batch's sessions costs the engine (cache
 every conversation, except replicas: names NAME-0, NAME-1, ... (as `bench/gpu_suite.sh` gives them) are the
 replicas of NAME, and round robin gives each its share of the conversations (`replica_shares`).
 
-`--opening S` prints the run's first S seconds instead, step by step: when the conversations sent their first
-chunk and got their first audio, and each service's every step (when it began, its size, how long it queued and
-ran). Many conversations opening together wait on what these first steps do that later ones do not.
+`--opening S` prints the run's first S seconds from its first chunk sent instead, step by step: when the
+conversations sent their first chunk and got their first audio, and each service's every step (when it began,
+its size, how long it queued and ran). Many conversations opening together wait on what these first steps do
+that later ones do not.
 """
 
 from __future__ import annotations
@@ -101,13 +102,15 @@ def report(timeline: dict, steps: dict[str, list[dict]], settle_frames: int = 0)
 
 
 def opening(timeline: dict, steps: dict[str, list[dict]], seconds: float) -> dict:
-    """The run's first `seconds`: each conversation's first chunk and first audio (ms from the run's start), the
-    frames that arrived inside it, and every step each service began inside it (ms from the start)."""
+    """The run's first `seconds` from its first chunk sent (its conversations opened): each conversation's first
+    chunk and first audio, the frames that arrived inside it, and every step each service began inside it (times
+    in ms from the run's start)."""
     start = timeline["start_monotonic"]
     sent = [c["first_sent_s"] for c in timeline["conversations"] if c["first_sent_s"] is not None]
     first = [c["arrivals_s"][0] - c["first_sent_s"] for c in timeline["conversations"]
              if c["first_sent_s"] is not None and c["arrivals_s"]]
-    arrived = sum(1 for c in timeline["conversations"] for t in c["arrivals_s"] if t <= seconds)
+    begin = min(sent, default=0.0)  # the window's start, seconds from the run's
+    arrived = sum(1 for c in timeline["conversations"] for t in c["arrivals_s"] if t <= begin + seconds)
 
     def ms(t: float) -> float:
         return round(t * 1000.0, 2)
@@ -119,15 +122,15 @@ def opening(timeline: dict, steps: dict[str, list[dict]], seconds: float) -> dic
         "frames_arrived": arrived,
         "services": {name: [{"at_ms": ms(s["start"] - start), "size": s["size"],
                              "queued_ms": ms(s["start"] - s["formed"]), "step_ms": ms(s["end"] - s["start"])}
-                            for s in rows if start <= s["start"] <= start + seconds]
+                            for s in rows if start + begin <= s["start"] <= start + begin + seconds]
                      for name, rows in steps.items()},
     }
 
 
 def print_opening(r: dict) -> None:
     sent, first = r["first_sent_ms"], r["first_audio_ms"]
-    print(f"first {r['seconds']:g} s: first chunks sent {_ms(sent['min'])}-{_ms(sent['max'])} ms, first audio p50 "
-          f"{_ms(first['p50'])} / p95 {_ms(first['p95'])} / max {_ms(first['max'])} ms after it, "
+    print(f"{r['seconds']:g} s from the first chunk: first chunks sent {_ms(sent['min'])}-{_ms(sent['max'])} ms, "
+          f"first audio p50 {_ms(first['p50'])} / p95 {_ms(first['p95'])} / max {_ms(first['max'])} ms after it, "
           f"{r['frames_arrived']} frames arrived")
     print("each step: began at ms, size, queued ms, ran ms")
     for name, rows in r["services"].items():

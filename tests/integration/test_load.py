@@ -149,15 +149,16 @@ def test_the_opening_view_lists_every_step_of_the_first_seconds(tmp_path, capsys
     steps = tmp_path / "llm.jsonl"
     steps.write_text("\n".join(json.dumps(s) for s in [
         {"formed": 49.0, "start": 49.5, "end": 49.6, "size": 9},  # before the run: left out
+        {"formed": 50.0, "start": 50.01, "end": 50.02, "size": 1},  # before the first chunk: left out
         {"formed": 50.1, "start": 50.1025, "end": 50.5, "size": 2},
         {"formed": 51.0, "start": 51.0, "end": 51.05, "size": 2},
-        {"formed": 51.3, "start": 51.3, "end": 51.31, "size": 1}]) + "\n")  # after the first second: left out
+        {"formed": 51.3, "start": 51.3, "end": 51.31, "size": 1}]) + "\n")  # past 1.25 s from it: left out
     assert report.main([str(path), "--steps", f"llm={steps}", "--opening", "1.25", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["first_sent_ms"] == {"min": 20.0, "max": 40.0}
     first = r["first_audio_ms"]  # 880 and 1200 ms after each one's first chunk
     assert first["max"] == pytest.approx(1200.0) and first["p50"] == pytest.approx(1040.0)
-    assert r["frames_arrived"] == 4  # 0.9, 1.0, 1.1 and 1.24 s; not 2.5
+    assert r["frames_arrived"] == 4  # 0.9, 1.0, 1.1 and 1.24 s (up to 1.27 s); not 2.5
     assert r["services"]["llm"] == [{"at_ms": 102.5, "size": 2, "queued_ms": 2.5, "step_ms": 397.5},
                                     {"at_ms": 1000.0, "size": 2, "queued_ms": 0.0, "step_ms": 50.0}]
     assert report.main([str(path), "--steps", f"llm={steps}", "--opening", "1.25"]) == 0
