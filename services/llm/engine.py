@@ -409,11 +409,12 @@ class LanguageEngine:
         session is (bf16 prompt prefix, fed a row per batch), each size's batch followed by one step of all but
         one of it (the step over all its rows that leaves one session's states as they are), then one step of
         some of the last batch's sessions at each size below it (their stacked states and caches kept, as when
-        some sessions' frames are not due), then at each size
-        from 2 up a first step of sessions fresh from their prompts (whose states still hold the prompt rows'
-        dtype: sessions opening together take their first step so), so the compiled pieces of each size are
-        traced (and, on a GPU, their kernels built) before a client's frame waits for them. Leaves no session
-        open, and no prompt's caches kept (each of its sessions feeds its own prompt)."""
+        some sessions' frames are not due), then at each size the first positions of sessions opening together:
+        a one-row prompt's row, then a first step of sessions fresh from it (whose states still hold the prompt
+        rows' dtype), and the first step of sessions without a prompt (float32 rows into empty caches). So the
+        compiled pieces of each size are traced (and, on a GPU, every kernel built) before a client's frame waits
+        for them. Leaves no session open, and no prompt's caches kept (each of its sessions feeds its own
+        prompt)."""
         rows = min((steps + 1) * max_batch + 2, self.max_prompt_tokens)
         prompt = [self.model.bos_id, *[self.model.eos_id] * (rows - 1)]
         prompts_kept, self.prompts_kept = self.prompts_kept, 0
@@ -422,13 +423,15 @@ class LanguageEngine:
         try:
             self._precompile_prompt_rows(sessions, steps)
             self._precompile_steps(sessions, steps)
-            for size in range(2, max_batch + 1):  # sessions opening together: their first step batched
-                fresh = [self.open_session(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16",
-                                           prefill=False) for _ in range(size)]
-                sessions += fresh
-                raise_first(self.prefill_batch(fresh))
-                raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in fresh]))
-                for session in fresh:
+            for size in range(1, max_batch + 1):  # sessions opening together: their first positions batched
+                prompted = [self.open_session(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16",
+                                              prefill=False) for _ in range(size)]
+                bare = [self.open_session() for _ in range(size)]  # no prompt: the first step is the first position
+                sessions += prompted + bare
+                raise_first(self.prefill_batch(prompted))
+                for fresh in (prompted, bare):
+                    raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in fresh]))
+                for session in prompted + bare:
                     self.close_session(session)
         finally:
             self.prompts_kept = prompts_kept
@@ -446,7 +449,7 @@ class LanguageEngine:
     def _precompile_prompt_rows(self, sessions: list[LanguageSession], steps: int) -> None:
         """`precompile`'s prompt rows: each first row alone, then `steps` rows at each size (and a row of all but
         one over all their rows), then the rows left."""
-        raise_first(self.prefill_batch(sessions))  # each first row alone: it creates the caches
+        raise_first(self.prefill_batch(sessions))  # every first row: it creates the caches
         for size in range(1, len(sessions) + 1):
             for _ in range(steps):
                 if all(s.prompt_pending for s in sessions[:size]):  # a short --max-prompt-tokens runs out
