@@ -204,6 +204,18 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
         self.metrics.track_queued(lambda: self.queued_frames)
         self._ids = itertools.count(1)
 
+    def prime(self) -> None:
+        """Open one conversation with the defaults and close it, before the first client's: what a first opening
+        builds in the services (the codec's encoding of the speaker prompt, speech's warm-up on it, the
+        language model's caches of the default system prompt once fed, and on a GPU the kernels of each) is then
+        built at start, not while the first conversations wait. A failure is logged, and the first conversation
+        meets it as it would have."""
+        try:
+            OnlineSession(self.clients, self.config, self.decoder, pipelined=False,
+                          rnnt_vocabulary=self.vocabulary).close()
+        except (ServiceError, ValueError) as exc:
+            log.warning("opening a first conversation at start failed: %s", exc)
+
     @property
     def live_sessions(self) -> int:
         """Conversations holding a slot (their service sessions open or closing)."""
@@ -460,10 +472,12 @@ def run_server(clients: StreamClients, model_dir: str | Path, *, host: str = "[:
     (OnlineSession's; None: whole).
 
     On SIGTERM both drain: new conversations are refused, running ones get `drain_seconds`, then end with an
-    error saying the server is shutting down."""
+    error saying the server is shutting down. Before the ready line one conversation is opened and closed
+    (`ConversationServicer.prime`)."""
     servicer = ConversationServicer(clients, model_dir, max_sessions=max_sessions,
                                      max_streaming_seconds=max_streaming_seconds, pipelined=pipelined, metrics=metrics,
                                      runner=runner, ticker=ticker, text_window=text_window)
+    servicer.prime()
 
     watching: list[asyncio.Task] = []
 

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+from orchestrator.clients import ServiceError
 from orchestrator.conversation import MAX_QUEUED_FRAMES, SERVICE_NAME, ConversationServicer, registrations
 from orchestrator.stream_clients import grpc_stream_clients
 from protos.voicechat.v1 import conversation_pb2 as pb
@@ -359,3 +360,28 @@ def test_a_windowed_conversation_rebuilds_the_reference_texts(stack, golden, tin
     talk = Conversation(arrays["waveform"], seed=0)
     outcome = aio.run(grpc_conversation(address, talk, pace="burst"))
     assert outcome.done and outcome.transcript == meta["transcript"], outcome.errors
+
+
+def test_prime_opens_one_conversation_in_every_service_and_closes_it(stack, tiny_checkpoint, monkeypatch, caplog):
+    """`prime` (run before the ready line) opens a conversation with the defaults through every service and
+    closes it, leaving every service as idle as before. A service that refuses is logged, not raised: the first
+    conversation meets it as it would have."""
+    servicer = ConversationServicer(stack.clients, tiny_checkpoint, max_sessions=1)
+    opened = []
+    for name in ("perception", "language", "speech", "codec"):
+        client = getattr(stack.clients, name)
+        method = "open_stream" if name == "codec" else "open"
+        original = getattr(client, method)
+        monkeypatch.setattr(client, method, lambda *a, _o=original, _n=name: opened.append(_n) or _o(*a))
+    servicer.prime()
+    assert sorted(opened) == ["codec", "language", "perception", "speech"]
+    assert stack.wait_idle() == {name: 0 for name in stack.live()}
+
+    def refuse(*_):
+        raise ServiceError("the language service is restarting")
+
+    monkeypatch.setattr(stack.clients.language, "open", refuse)
+    with caplog.at_level("WARNING"):
+        servicer.prime()
+    assert "opening a first conversation at start failed: the language service is restarting" in caplog.text
+    assert stack.wait_idle() == {name: 0 for name in stack.live()}
