@@ -206,10 +206,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServiceServicer):
 
     def prime(self) -> None:
         """Open one conversation with the defaults and close it, before the first client's: what a first opening
-        builds in the services (the codec's encoding of the speaker prompt, speech's warm-up on it, the
-        language model's caches of the default system prompt once fed, and on a GPU the kernels of each) is then
-        built at start, not while the first conversations wait. A failure is logged, and the first conversation
-        meets it as it would have."""
+        builds in the services (the codec's encoding of the speaker prompt, speech's warm-up on it, and on a GPU
+        the kernels of each) is then built at start, not while the first conversations wait. A failure is
+        logged, and the first conversation meets it as it would have."""
         try:
             OnlineSession(self.clients, self.config, self.decoder, pipelined=False,
                           rnnt_vocabulary=self.vocabulary).close()
