@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from services.common.cache import PooledState, RowSources, StatePools, group_by_signature
+from services.common.cache import Bound, FullCache, MambaCache, PooledState, RowSources, StatePools, group_by_signature
 
 
 def test_row_sources_give_back_the_batched_array_a_view_or_one_take():
@@ -195,3 +196,26 @@ def test_group_by_signature_keeps_groups_of_two_or_more_in_order():
     groups, solo = group_by_signature(entries, lambda e: e[0], order=lambda e: e[1])
     assert groups == [[2, 0], [4, 1]]  # each sorted by `order`: the same sessions form the same batch
     assert solo == [3, 5]  # not batchable, and alone with its signature
+
+
+def test_caches_written_for_several_sessions_split_into_each_sessions_own():
+    """A cache (and a Mamba state) computed for B sessions at once splits into B of one row: row b holds what
+    session b writing alone would, with the counters, and a later write of one row leaves the others."""
+    keys = mx.arange(3 * 2 * 1 * 4, dtype=mx.float32).reshape(3, 2, 1, 4)
+    together = FullCache(Bound(keep=0, window=8))
+    together.update(keys, -keys)
+    rows = together.split_rows()
+    for b, row in enumerate(rows):
+        alone = FullCache(Bound(keep=0, window=8))
+        alone.update(keys[b : b + 1], -keys[b : b + 1])
+        assert (row.offset, row.capacity, row.bound) == (alone.offset, alone.capacity, alone.bound)
+        assert mx.array_equal(row.keys, alone.keys) and mx.array_equal(row.values, alone.values)
+    rows[0].update(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    assert rows[0].offset == 2 and rows[1].offset == 1
+    assert mx.array_equal(rows[1].keys[..., :1, :], keys[1:2])
+    with pytest.raises(ValueError, match="keys of its own"):
+        FullCache().split_rows()
+    state = MambaCache(mx.arange(6.0).reshape(3, 2), None)
+    parts = state.split_rows()
+    assert [p.conv.tolist() for p in parts] == [[[0.0, 1.0]], [[2.0, 3.0]], [[4.0, 5.0]]]
+    assert all(isinstance(p, MambaCache) and p.ssm is None for p in parts)
