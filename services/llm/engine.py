@@ -423,16 +423,16 @@ class LanguageEngine:
         try:
             self._precompile_prompt_rows(sessions, steps)
             self._precompile_steps(sessions, steps)
+            prompted = dict(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16", prefill=False)
             for size in range(1, max_batch + 1):  # sessions opening together: their first positions batched
-                prompted = [self.open_session(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16",
-                                              prefill=False) for _ in range(size)]
-                bare = [self.open_session() for _ in range(size)]  # no prompt: the first step is the first position
-                sessions += prompted + bare
-                raise_first(self.prefill_batch(prompted))
-                for fresh in (prompted, bare):
+                for spec in (prompted, {}):  # a one-row prompt; none (the first step is the first position)
+                    fresh = [self.open_session(**spec) for _ in range(size)]
+                    sessions += fresh
+                    if spec:
+                        raise_first(self.prefill_batch(fresh))
                     raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in fresh]))
-                for session in prompted + bare:
-                    self.close_session(session)
+                    for session in fresh:  # closed now: no more of them live at once than a step of `size` holds
+                        self.close_session(session)
         finally:
             self.prompts_kept = prompts_kept
             for session in sessions:
