@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-seconds", type=float, default=0.0,
                         help="leave each conversation's first S seconds of intervals out (as bench.load does)")
     parser.add_argument("--opening", type=float, metavar="S",
-                        help="print the first S seconds step by step instead (every step of every service)")
+                        help="print the S seconds from the first chunk sent step by step instead (every step of every "
+                             "service)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.opening is not None and not args.opening > 0:
