@@ -230,7 +230,7 @@ class LanguageSession:
         if self.full_history and self.positions >= MAX_FULL_HISTORY_POSITIONS:
             raise LimitExceeded(f"full-history sessions are limited to {MAX_FULL_HISTORY_POSITIONS} positions")
         hidden = self.model.hidden_size
-        dtype = str(audio.dtype).rpartition(".")[2]  # mlx.core.float32 and numpy's float32 alike
+        dtype = _dtype_name(audio)
         if dtype != "float32" or tuple(audio.shape) != (hidden,):
             raise ValueError(f"audio embedding must be float32 of shape ({hidden},); "
                              f"got {dtype} of shape {tuple(audio.shape)}")
@@ -656,7 +656,12 @@ def _bound(session: LanguageSession):
 def _first_signature(session: LanguageSession, row: AudioRow) -> tuple:
     """What sessions at their first position must share to run it as one forward: its caches' bound and the
     dtype of the row it feeds (a step's float32 audio, a prompt row's prefix dtype)."""
-    return "first", _bound(session), str(row.dtype).rpartition(".")[2]
+    return "first", _bound(session), _dtype_name(row)
+
+
+def _dtype_name(row: AudioRow) -> str:
+    """An MLX or numpy array's dtype by name: mlx.core.float32 and numpy's float32 alike read "float32"."""
+    return str(row.dtype).rpartition(".")[2]
 
 
 def _copies(caches: list[LayerCache]) -> list[LayerCache]:
