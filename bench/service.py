@@ -173,9 +173,11 @@ def stepping(k: int, partial: int, index: int) -> list[int]:
 
 class EngineDriver:
     """One service's engine loaded in this process, stepped with synthetic but valid input: `open()` a session,
-    `step(sessions)` them as one batched call (one session: the solo path)."""
+    `step(sessions)` them as one batched call (one session: the solo path). The language model's sessions open
+    with `system_prompt` (the first feeds its rows; the engine keeps the caches they leave for the next ones)."""
 
-    def __init__(self, name: str, model: Path, config: VoiceChatConfig, options: LoadOptions = AS_STORED) -> None:
+    def __init__(self, name: str, model: Path, config: VoiceChatConfig, options: LoadOptions = AS_STORED,
+                 system_prompt: str = "") -> None:
         import mlx.core as mx
 
         rng = np.random.default_rng(0)
@@ -193,7 +195,7 @@ class EngineDriver:
 
             engine = LanguageEngine.load(model, options=options)
             hidden = config.text_config.hidden_size
-            self._open = lambda: engine.open_session("")  # noqa: E731
+            self._open = lambda: engine.open_session(system_prompt)  # noqa: E731
             self._close = engine.close_session  # its pools hold the sessions' stacked states until closed
             self._batch = lambda live: engine.step_batch([  # noqa: E731
                 (s, mx.array(rng.standard_normal(hidden).astype(np.float32)), False, None) for s in live])
