@@ -409,12 +409,10 @@ class LanguageEngine:
         session is (bf16 prompt prefix, fed a row per batch), each size's batch followed by one step of all but
         one of it (the step over all its rows that leaves one session's states as they are), then one step of
         some of the last batch's sessions at each size below it (their stacked states and caches kept, as when
-        some sessions' frames are not due), then at each size the first positions of sessions opening together:
-        a one-row prompt's row, then a first step of sessions fresh from it (whose states still hold the prompt
-        rows' dtype), and the first step of sessions without a prompt (float32 rows into empty caches). So the
-        compiled pieces of each size are traced (and, on a GPU, every kernel built) before a client's frame waits
-        for them. Leaves no session open, and no prompt's caches kept (each of its sessions feeds its own
-        prompt)."""
+        some sessions' frames are not due), then at each size the openings of sessions opening together
+        (`_precompile_openings`). So the compiled pieces of each size are traced (and, on a GPU, every kernel
+        built) before a client's frame waits for them. Leaves no session open, and no prompt's caches kept (each
+        of its sessions feeds its own prompt)."""
         rows = min((steps + 1) * max_batch + 2, self.max_prompt_tokens)
         prompt = [self.model.bos_id, *[self.model.eos_id] * (rows - 1)]
         prompts_kept, self.prompts_kept = self.prompts_kept, 0
@@ -423,20 +421,38 @@ class LanguageEngine:
         try:
             self._precompile_prompt_rows(sessions, steps)
             self._precompile_steps(sessions, steps)
-            prompted = dict(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16", prefill=False)
-            for size in range(1, max_batch + 1):  # sessions opening together: their first positions batched
-                for spec in (prompted, {}):  # a one-row prompt; none (the first step is the first position)
-                    fresh = [self.open_session(**spec) for _ in range(size)]
-                    sessions += fresh
-                    if spec:
-                        raise_first(self.prefill_batch(fresh))
-                    raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in fresh]))
-                    for session in fresh:  # closed now: no more of them live at once than a step of `size` holds
-                        self.close_session(session)
+            for size in range(1, max_batch + 1):
+                self._precompile_openings(size, steps, sessions)
         finally:
             self.prompts_kept = prompts_kept
             for session in sessions:
                 self.close_session(session)
+
+    def _precompile_openings(self, size: int, steps: int, opened: list[LanguageSession]) -> None:
+        """`precompile`'s openings at `size`, of sessions with a one-row prompt (their first step's states still
+        hold the prompt rows' dtype) and of sessions without one (float32 rows into empty caches): `size` of them
+        open together, take their first position as one batch and `steps` steps more (their caches, split from
+        the first position's, stacked again); then half of them open and take a first step, the rest open and
+        step with them (first positions beside a group's step), and all step once more (the group and the
+        newcomers stacked). Each set is closed before the next opens: no more sessions live at once than a step
+        of `size` holds. The sessions are added to `opened` (closed ones included), so a failure closes them."""
+        prompted = dict(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16", prefill=False)
+        for spec in (prompted, {}):  # a one-row prompt; none (the first step is the first position)
+            for waves in ([size], [size // 2, size - size // 2]):
+                if min(waves) == 0:
+                    continue
+                live: list[LanguageSession] = []
+                for wave in waves:
+                    fresh = [self.open_session(**spec) for _ in range(wave)]
+                    opened += fresh
+                    if spec:
+                        raise_first(self.prefill_batch(fresh))
+                    live += fresh
+                    raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in live]))
+                for _ in range(steps if len(waves) == 1 else 1):
+                    raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in live]))
+                for session in live:
+                    self.close_session(session)
 
     @property
     def _zero_audio(self) -> mx.array:

@@ -197,9 +197,12 @@ class TTSEngine:
     def precompile(self, max_batch: int, steps: int = 2) -> None:
         """Run `steps` batched pad steps at every batch size 1..max_batch on throwaway sessions (prompted with
         silence codes), then one step of some of the last batch's sessions at each size below it (the group of
-        caches kept, as when some sessions' frames are not due), so each size's compiled code generation is
-        traced (and, on a GPU, its kernels built) before a client's frame waits for it. The sessions are dropped
-        after."""
+        caches kept, as when some sessions' frames are not due), then one step of them all with words in place
+        of pads (`_words`: the character encoder at every character count, not the pad's alone, and the text rows
+        gathered by id, not one row broadcast), then at each
+        size the openings of sessions opening together (`_precompile_openings`), so each size's compiled code
+        generation is traced (and, on a GPU, its kernels built) before a client's frame waits for it. The
+        sessions are dropped after; the words' text rows are kept, as any step's are."""
         silence = np.array(self.silence_codes, dtype=np.int32)
         prompt = np.broadcast_to(silence, (self.prompt_frames, self.num_quantizers)).copy()
         sessions = [self.open_session(seed, prompt) for seed in range(max_batch)]
@@ -209,6 +212,36 @@ class TTSEngine:
                 raise_first(self.step_batch([(session, pad) for session in sessions[:size]]))
         for size in range(max_batch - 1, 0, -1):
             raise_first(self.step_batch([(session, pad) for session in sessions[:size]]))
+        words = self._words(max(max_batch - 1, 1))
+        if words:  # one word twice when there are two sessions or more: rows gathered by id, not one per session
+            ids = [words[i % len(words)] for i in range(max_batch)]
+            raise_first(self.step_batch(list(zip(sessions, ids, strict=True))))
+        del sessions
+        for size in range(2, max_batch + 1):
+            self._precompile_openings(size, prompt)
+
+    def _precompile_openings(self, size: int, prompt: np.ndarray) -> None:
+        """`precompile`'s openings at `size`: `size` sessions fresh from the warm-up step together twice (their
+        caches stacked into a group, then the group's step); then half of them step, and all of them twice (the
+        half's group and the other half stacked together, then that group's step). Each set is dropped before
+        the next opens."""
+        pad = self.config.pad_token_id
+        for first in (size, size // 2):
+            sessions = [self.open_session(seed, prompt) for seed in range(size)]
+            if first < size:
+                raise_first(self.step_batch([(session, pad) for session in sessions[:first]]))
+            for _ in range(2):
+                raise_first(self.step_batch([(session, pad) for session in sessions]))
+
+    def _words(self, count: int) -> list[int]:
+        """Up to `count` text ids with characters, of as many distinct character counts as the vocabulary has
+        (the character encoder's passes are grouped by count), fewest characters first."""
+        by_length: dict[int, int] = {}
+        vocab = self.config.text_config.vocab_size
+        for text_id, chars in sorted(self.table.subword_chars.items()):
+            if chars and text_id < vocab and text_id != self.config.eos_token_id:
+                by_length.setdefault(len(chars), text_id)
+        return [by_length[n] for n in sorted(by_length)][:count]
 
     def step_batch(self, steps: Sequence[tuple[TTSSession, int]]
                    ) -> list[tuple[np.ndarray, np.ndarray] | Exception]:

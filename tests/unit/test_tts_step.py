@@ -181,3 +181,59 @@ def test_precompile_steps_some_of_a_group_at_each_smaller_size(engine, monkeypat
     engine.precompile(4, steps=2)
     layers = len(engine.model.backbone.layers)
     assert sizes == [3] * layers + [2] * layers + [1] * layers
+
+
+def test_precompile_steps_words_of_every_character_count(engine, monkeypatch):
+    """A precompile of pads alone encodes one id's characters (the pad's) and gives every session the same row:
+    a client's first words would then run the character encoder at other lengths and gather distinct rows by
+    id while its frame waits. A step of words ends the precompile: each character count's word encoded, one
+    word twice (rows gathered by id), their rows kept as any step's are."""
+    from services.common import cache
+    from services.tts.subword import CharAwareSubwordEncoder
+
+    encoded, gathered = [], []
+    encode = CharAwareSubwordEncoder.encode_chars
+
+    def counted(self, chars, lengths):
+        encoded.append(tuple(chars.shape))
+        return encode(self, chars, lengths)
+
+    def take_index(index):
+        gathered.append(index)
+        return cache.take_index(index)
+
+    monkeypatch.setattr(CharAwareSubwordEncoder, "encode_chars", counted)
+    monkeypatch.setattr(engine_module, "take_index", take_index)
+    monkeypatch.setattr(engine, "_text_rows", type(engine._text_rows)())
+    engine.precompile(4, steps=1)
+    words = engine._words(3)
+    lengths = [len(engine.table.subword_chars[i]) for i in words]
+    assert len(set(lengths)) == 3 and lengths == sorted(lengths)  # the tiny vocabulary has three counts at least
+    assert {(1, n) for n in lengths} <= set(encoded)
+    assert gathered == [(0, 1, 2, 0)]  # the only step whose ids differ: the four sessions' words, the first twice
+    assert set(words) <= set(engine._text_rows)
+    for text_id in words:  # the rows kept are each id's own
+        want = engine.model.embed_subword.embed_rows([text_id], engine.table)
+        assert mx.array_equal(engine._text_rows[text_id], want).item()
+
+
+def test_precompile_stacks_sessions_opening_together_at_each_size(engine, monkeypatch):
+    """Sessions opening in the same tick stack their fresh caches into a group at their first batched step, and
+    a second wave's sessions join the first wave's group a step later: precompile forms both at every size (the
+    group's concatenations of that many caches) before a client's first frame does."""
+    from services.common import cache
+
+    monkeypatch.setattr(engine, "stack_up_to", 10**9)
+    formed = []
+    init = cache.LayerGroup.__init__
+
+    def counted(self, caches, per):
+        formed.append(len(caches))
+        return init(self, caches, per)
+
+    monkeypatch.setattr(cache.LayerGroup, "__init__", counted)
+    engine.precompile(4, steps=1)
+    layers = len(engine.model.backbone.layers)
+    # the sizes grown one at a time; then at each size all fresh, and half of them with the other half joining
+    assert formed[::layers] == [2, 3, 4] + [2, 2] + [3, 3] + [4, 2, 4]
+    assert len(formed) == 10 * layers
