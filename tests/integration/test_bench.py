@@ -349,3 +349,33 @@ def test_slow_client_takes_every_frame_and_samples_the_orchestrator(tiny_checkpo
     assert rows[-1]["frames"] == 13  # 1 s of audio: 12 frames and the flushed partial one
     assert len(rows) >= 3 and all(r["rss_mb"] > 10 for r in rows)
     assert [r["frames"] for r in rows] == sorted(r["frames"] for r in rows)
+
+
+@pytest.mark.parametrize("name", ["llm", "tts"])
+def test_opening_bench_opens_waves_and_sets_the_first_round_beside_the_last(tiny_checkpoint, capsys, name):
+    """Two sessions step alone, a third joins them, then all three step on; each round's times are kept and a
+    step's excess is round 1 less the last round."""
+    from bench import opening
+
+    assert opening.main([name, "--model", str(tiny_checkpoint), "--waves", "2,1", "--steps", "4", "--rounds", "3",
+                         "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [step["sessions"] for step in result["steps"]] == [2, 3, 3, 3]
+    for step in result["steps"]:
+        assert len(step["ms"]) == 3 and min(step["ms"]) > 0
+        assert step["excess_ms"] == pytest.approx(step["ms"][0] - step["ms"][-1])
+    assert result["excess_ms"] == pytest.approx(sum(step["excess_ms"] for step in result["steps"]))
+    assert result["first_round_ms"] == pytest.approx(sum(step["ms"][0] for step in result["steps"]))
+    assert result["waves"] == [2, 1] and result["service"] == name
+
+
+def test_opening_bench_refuses_waves_it_cannot_open(tiny_checkpoint, capsys):
+    from bench import opening
+
+    for argv, message in ((["--waves", "2,0"], "every wave opens at least one session"),
+                          (["--waves", "two"], "expected comma-separated session counts"),
+                          (["--waves", "1,1,1", "--steps", "2"], "at least one step per wave"),
+                          (["--rounds", "1"], "at least 2")):
+        with pytest.raises(SystemExit):
+            opening.main(["llm", "--model", str(tiny_checkpoint), *argv])
+        assert message in capsys.readouterr().err
