@@ -199,10 +199,10 @@ class TTSEngine:
         silence codes), then one step of some of the last batch's sessions at each size below it (the group of
         caches kept, as when some sessions' frames are not due), then one step of them all with words in place
         of pads (`_words`: the character encoder at every character count, not the pad's alone, and the text rows
-        gathered by id, not one row broadcast), then at each
-        size the openings of sessions opening together (`_precompile_openings`), so each size's compiled code
-        generation is traced (and, on a GPU, its kernels built) before a client's frame waits for it. The
-        sessions are dropped after; the words' text rows are kept, as any step's are."""
+        gathered by id, not one row broadcast), then at each size the openings of sessions opening together
+        (`_precompile_openings`), so each size's compiled code generation is traced (and, on a GPU, its kernels
+        built) before a client's frame waits for it. The sessions are dropped after; the words' text rows are
+        kept, as any step's are."""
         silence = np.array(self.silence_codes, dtype=np.int32)
         prompt = np.broadcast_to(silence, (self.prompt_frames, self.num_quantizers)).copy()
         sessions = [self.open_session(seed, prompt) for seed in range(max_batch)]
