@@ -422,20 +422,21 @@ class LanguageEngine:
             self._precompile_prompt_rows(sessions, steps)
             self._precompile_steps(sessions, steps)
             for size in range(1, max_batch + 1):
-                self._precompile_openings(size, steps, sessions)
+                self._precompile_openings(size, sessions)
         finally:
             self.prompts_kept = prompts_kept
             for session in sessions:
                 self.close_session(session)
 
-    def _precompile_openings(self, size: int, steps: int, opened: list[LanguageSession]) -> None:
+    def _precompile_openings(self, size: int, opened: list[LanguageSession]) -> None:
         """`precompile`'s openings at `size`, of sessions with a one-row prompt (their first step's states still
         hold the prompt rows' dtype) and of sessions without one (float32 rows into empty caches): `size` of them
-        open together, take their first position as one batch and `steps` steps more (their caches, split from
-        the first position's, stacked again); then half of them open and take a first step, the rest open and
-        step with them (first positions beside a group's step), and all step once more (the group and the
-        newcomers stacked). Each set is closed before the next opens: no more sessions live at once than a step
-        of `size` holds. The sessions are added to `opened` (closed ones included), so a failure closes them."""
+        open together, take their first position as one batch and one step more (their caches, split from the
+        first position's, stacked again); then half of them open and take a first step, the rest open and step
+        with them (first positions beside a group's step), and all step once more (the group and the newcomers
+        stacked). A group's later steps are `_precompile_steps`' already. Each set is closed before the next
+        opens: no more sessions live at once than a step of `size` holds. The sessions are added to `opened`
+        (closed ones included), so a failure closes them."""
         prompted = dict(prompt_token_ids=[self.model.bos_id], prefix_dtype="bfloat16", prefill=False)
         for spec in (prompted, {}):  # a one-row prompt; none (the first step is the first position)
             for waves in ([size], [size // 2, size - size // 2]):
@@ -449,8 +450,7 @@ class LanguageEngine:
                         raise_first(self.prefill_batch(fresh))
                     live += fresh
                     raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in live]))
-                for _ in range(steps if len(waves) == 1 else 1):
-                    raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in live]))
+                raise_first(self.step_batch([(s, self._zero_audio, False, None) for s in live]))
                 for session in live:
                     self.close_session(session)
 

@@ -221,17 +221,16 @@ class TTSEngine:
             self._precompile_openings(size, prompt)
 
     def _precompile_openings(self, size: int, prompt: np.ndarray) -> None:
-        """`precompile`'s openings at `size`: `size` sessions fresh from the warm-up step together twice (their
-        caches stacked into a group, then the group's step); then half of them step, and all of them twice (the
-        half's group and the other half stacked together, then that group's step). Each set is dropped before
-        the next opens."""
+        """`precompile`'s openings at `size`: `size` sessions fresh from the warm-up step together (their caches
+        stacked into a group); then half of them step, and all of them (the half's group and the other half
+        stacked together). A group's later steps are the first loop's already. Each set is dropped before the
+        next opens."""
         pad = self.config.pad_token_id
         for first in (size, size // 2):
             sessions = [self.open_session(seed, prompt) for seed in range(size)]
             if first < size:
                 raise_first(self.step_batch([(session, pad) for session in sessions[:first]]))
-            for _ in range(2):
-                raise_first(self.step_batch([(session, pad) for session in sessions]))
+            raise_first(self.step_batch([(session, pad) for session in sessions]))
 
     def _words(self, count: int) -> list[int]:
         """Up to `count` text ids with characters, of as many distinct character counts as the vocabulary has

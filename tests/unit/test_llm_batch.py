@@ -524,15 +524,15 @@ def test_precompile_steps_some_of_the_last_batch_with_its_stacks_kept(engines, m
         + [(3, True, None), (4, True, None), (4, True, [0, 1, 2])] \
         + [(4, True, None), (5, True, None), (5, True, [0, 1, 2, 3])] \
         + [(5, True, [0, 1, 2, 3]), (5, True, [0, 1, 2]), (2, True, None)]
-    # Last, the openings at each size k from 2. Sessions fresh from one-row prompts: all k step three times
-    # (their first step with the prompt's bf16 conv tails); then half of them step (alone at k < 4), the other
-    # half joins (two batches: the first half's tails are float32 by now), and all k step. Sessions without a
-    # prompt: all k take their first position (no batched step), then two steps; half of them take theirs,
-    # then step beside the other half's first positions, and all k step.
+    # Last, the openings at each size k from 2. Sessions fresh from one-row prompts: all k step twice (their
+    # first step with the prompt's bf16 conv tails); then half of them step (alone at k < 4), the other half
+    # joins (two batches: the first half's tails are float32 by now), and all k step. Sessions without a
+    # prompt: all k take their first position (no batched step), then one step; half of them take theirs, then
+    # step beside the other half's first positions, and all k step.
     def opening(k, half):
         halves = [(n, True, None) for n in (half, k - half) if n > 1]
-        prompted = [(k, True, None)] * 3 + halves[:1] * (half > 1) + halves + [(k, True, None)]
-        return prompted + [(k, True, None)] * 2 + [(half, True, None)] * (half > 1) + [(k, True, None)]
+        prompted = [(k, True, None)] * 2 + halves[:1] * (half > 1) + halves + [(k, True, None)]
+        return prompted + [(k, True, None)] + [(half, True, None)] * (half > 1) + [(k, True, None)]
 
     assert steps[13:] == [call for k in range(2, 6) for call in opening(k, k // 2)]
     assert written[-1:] == [(5, [0, 1])]  # two of five: their rows taken and written back
