@@ -51,7 +51,8 @@
 # (`--replicas`, up to 9 each here); each replica keeps its own step log (steps-NAME-R.jsonl) and metrics
 # port (91R<n>), and compiles at load the batch sizes up to its share of the SESSIONS.
 # ORCHESTRATORS (1): with K > 1 the live step's conversations are dealt over K orchestrator processes sharing one
-# set of services (bench.load --orchestrators K, which starts them all with the same flags).
+# set of services (bench.load --orchestrators K, which starts them all with the same flags); a list such as 4,8
+# runs the load with each K in turn on the same services (REPEAT runs each, their timelines numbered on).
 # PACES ("live"): the live step's paces, in order (bench.load --pace): `live` sends each conversation's audio as a
 # microphone would, so a frame's interval is bounded below by the input's 80 ms and shows the delivery's jitter;
 # `burst` sends it all at once, so the interval is how fast the server completes each conversation's frames.
@@ -211,6 +212,8 @@ scrape() {  # scrape NAME: each service's batch-size histogram totals and memory
   done > "$out/$1.metrics" 2>&1
   grep -E '^voicechat_(batch_size_(sum|count)|memory_bytes)' "$out/$1.metrics"
 }
+orchestrator_counts=${ORCHESTRATORS:-1}
+runs=$(( ${REPEAT:-1} * $(tr ',' '\n' <<< "$orchestrator_counts" | wc -l) ))  # bench.load's runs: their timelines
 live_runs() {  # live_runs FLAGS...: each pace and count through bench.load with these connection flags
   for pace in ${PACES:-live}; do
     for k in ${COUNTS:-$sessions 1}; do
@@ -219,7 +222,7 @@ live_runs() {  # live_runs FLAGS...: each pace and count through bench.load with
         --settle-seconds "${SETTLE_SECONDS:-0}" --timeline "$out/$pace-$k.timeline.json" ${memory:+--memory $memory} \
         --repeat "${REPEAT:-1}"
       [ -n "${serve:-}" ] && scrape "$pace-$k"  # the services outlive the run only under our `serve`
-      for r in $(seq 1 "${REPEAT:-1}"); do
+      for r in $(seq 1 "$runs"); do
         run=""; [ "$r" = 1 ] || run=-$r
         # shellcheck disable=SC2086  # a list of flags
         "$py" -m bench.timeline "$out/$pace-$k.timeline$run.json" $steps_of \
@@ -231,8 +234,8 @@ live_runs() {  # live_runs FLAGS...: each pace and count through bench.load with
     done
   done
 }
-if [ "${ORCHESTRATORS:-1}" -gt 1 ]; then  # bench.load starts the services and the K orchestrators itself
-  live_runs --model "$model" --orchestrators "$ORCHESTRATORS" --serve-flags "$serve_flags $mps"
+if [ "$orchestrator_counts" != 1 ]; then  # bench.load starts the services and the K orchestrators itself
+  live_runs --model "$model" --orchestrators "$orchestrator_counts" --serve-flags "$serve_flags $mps"
   echo "== $(date +%T) done: logs in $out"
   exit 0
 fi

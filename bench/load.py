@@ -3,15 +3,16 @@
     python -m bench.load --model DIR [--grpc K] [--ws K] [--seconds S] [--duration T] [--pace live|burst]
                          [--address HOST:PORT] [--realtime URL] [--input WAV] [--timeline PATH]
                          [--latency-budget-ms MS] [--memory] [--service-metrics NAME=URL ...]
-                         [--serve-flags FLAGS] [--orchestrators K] [--repeat N] [--json]
+                         [--serve-flags FLAGS] [--orchestrators K[,K...]] [--repeat N] [--json]
 
 Without --address / --realtime, `orchestrator serve` is started on DIR (with its four services) for the run and
 stopped after; with --orchestrators K, the four services are started once and K `orchestrator serve --services`
-processes over them, the conversations dealt over the K in turn (one Python process's share of the frames
-each). Each conversation sends S seconds of speech (the input looped, each conversation from its own offset and
-with its own seed) as 80 ms PCM16 chunks, through the gRPC Converse stream or the /v1/realtime WebSocket, paced
-like a live microphone (`live`, the default) or as fast as the server takes it (`burst`), then flushes. No
-conversation sends past --duration seconds after its start (a bounded run).
+processes over them, the conversations dealt over the K in turn (one Python process's share of the frames each);
+`--orchestrators 4,8` runs the load with 4, then with 8, on the same services. Each conversation sends S seconds of
+speech (the input looped, each conversation from its own offset and with its own seed) as 80 ms PCM16 chunks,
+through the gRPC Converse stream or the /v1/realtime WebSocket, paced like a live microphone (`live`, the default)
+or as fast as the server takes it (`burst`), then flushes. No conversation sends past --duration seconds after its
+start (a bounded run).
 
 Reported per transport: conversations, frames delivered, frames per second over the run, the interval (inter-frame
 gap) between a conversation's consecutive audio frames (p50/p95), errors, lost frames (frames sent but never
@@ -353,12 +354,10 @@ def _listed(value: str | list[str] | None) -> list:
 
 
 @contextlib.contextmanager
-def orchestrators(model: Path, count: int, sessions: int, serve_flags: list[str],
-                  started: list[subprocess.Popen]) -> Iterator[tuple[list[str], list[str]]]:
-    """`count` orchestrators over one set of services started here, for the block: their gRPC addresses and
-    realtime URLs. The services take serve_flags' --service-flags, --service-env, --mps, --replicas and --gpus,
-    and batches of all `sessions` (as `serve` gives its own); every orchestrator the rest of the flags, and its
-    share of the sessions."""
+def shared_services(model: Path, sessions: int, serve_flags: list[str]) -> Iterator[list[str]]:
+    """The four services started here once for the block, with serve_flags' --service-flags, --service-env,
+    --mps, --replicas and --gpus and batches of all `sessions` (as `serve` gives its own): the flags of an
+    `orchestrator serve` over them (the rest of serve_flags and --services)."""
     from orchestrator.connect import add_connection_flags, batch_flags, connection_from_args, serving
 
     parser = argparse.ArgumentParser(prog="--serve-flags", add_help=False)
@@ -368,10 +367,22 @@ def orchestrators(model: Path, count: int, sessions: int, serve_flags: list[str]
     rest += ["--open-timeout", str(launch.open_timeout), "--frame-timeout", str(launch.frame_timeout)]
     flags = batch_flags(connection["flags"], sessions, connection["replicas"])
     with serving(model, None, flags, connection["mps"], connection["envs"], connection["replicas"],
-                 connection["gpus"]) as targets, contextlib.ExitStack() as stack:
-        services = ["--services", ",".join(f"{name}={target}" for name, target in targets.items())]
+                 connection["gpus"]) as targets:
+        yield [*rest, "--services", ",".join(f"{name}={target}" for name, target in targets.items())]
+
+
+@contextlib.contextmanager
+def orchestrators(model: Path, count: int, sessions: int, serve_flags: list[str],
+                  started: list[subprocess.Popen], services: list[str] | None = None
+                  ) -> Iterator[tuple[list[str], list[str]]]:
+    """`count` orchestrators over one set of services, for the block: their gRPC addresses and realtime URLs.
+    The services are `shared_services(model, sessions, serve_flags)` started here, or those `services` names (the
+    flags `shared_services` gave); every orchestrator takes the rest of the flags and its share of the sessions."""
+    with contextlib.ExitStack() as stack:
+        if services is None:
+            services = stack.enter_context(shared_services(model, sessions, serve_flags))
         share = -(-sessions // count)
-        ends = [stack.enter_context(orchestrator(model, share, [*rest, *services], started)) for _ in range(count)]
+        ends = [stack.enter_context(orchestrator(model, share, services, started)) for _ in range(count)]
         yield [address for address, _ in ends], [url for _, url in ends]
 
 
@@ -510,15 +521,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running service's /metrics URL, for --memory against --address (repeatable)")
     parser.add_argument("--serve-flags", default="", metavar="FLAGS",
                         help="more flags for the orchestrator this starts (one string, split as a shell does)")
-    parser.add_argument("--orchestrators", type=int, default=1, metavar="K",
+    parser.add_argument("--orchestrators", type=counts, default=[1], metavar="K[,K...]",
                         help="start K orchestrators over one set of services and deal the conversations over them "
-                             "(default 1: one `orchestrator serve` with its own services)")
+                             "(default 1: one `orchestrator serve` with its own services); a list such as 4,8 "
+                             "runs the load (--repeat times) with each K in turn, the services started once")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the load N times on one server, each reported (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    if args.repeat < 1 or args.orchestrators < 1:
-        parser.error("--repeat and --orchestrators must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.grpc < 0 or args.ws < 0 or args.grpc + args.ws == 0:
         parser.error("--grpc and --ws must be >= 0 and not both 0")
     if not args.seconds > 0 or not args.duration > 0:
@@ -547,27 +559,47 @@ def main(argv: list[str] | None = None) -> int:
         metrics = {**started, **metrics}
     if args.memory and not metrics:
         parser.error("--memory against a running orchestrator needs its services' --service-metrics NAME=URL")
-    started: list[subprocess.Popen] = []
     sessions = max(args.grpc, args.ws)
-    if not start_one:
-        serving = contextlib.nullcontext((None, None))
-    elif args.orchestrators == 1:
-        serving = orchestrator(args.model, sessions, extra, started)
-    else:
-        serving = orchestrators(args.model, args.orchestrators, sessions, extra, started)
-    with serving as (address, url):
+    plan = [(k, r) for k in args.orchestrators for r in range(1, args.repeat + 1)]
+    shared = len(args.orchestrators) > 1 or args.orchestrators[0] > 1
+    with contextlib.ExitStack() as stack:
+        serve_flags = stack.enter_context(shared_services(args.model, sessions, extra)) if start_one and shared \
+            else extra
         ok = True
-        for r in range(1, args.repeat + 1):
-            before = service_memory(metrics) if args.memory else {}
-            report = run(args.address or address, args.realtime or url, [process.pid for process in started])
-            memory = service_memory(metrics) if args.memory else {}
-            ok = show(report, args, before, memory, repeat_path(args.timeline, r)) and ok
+        for k in args.orchestrators:
+            started: list[subprocess.Popen] = []
+            if not start_one:
+                serving = contextlib.nullcontext((None, None))
+            elif shared:
+                serving = orchestrators(args.model, k, sessions, [], started, serve_flags)
+            else:
+                serving = orchestrator(args.model, sessions, serve_flags, started)
+            with serving as (address, url):
+                for r in range(1, args.repeat + 1):
+                    if len(args.orchestrators) > 1:
+                        print(f"orchestrators {k}, run {r} of {args.repeat}", flush=True)
+                    before = service_memory(metrics) if args.memory else {}
+                    report = run(args.address or address, args.realtime or url, [p.pid for p in started])
+                    memory = service_memory(metrics) if args.memory else {}
+                    timeline = repeat_path(args.timeline, plan.index((k, r)) + 1)
+                    ok = show(report, args, before, memory, timeline) and ok
     return 0 if ok else 1
 
 
+def counts(text: str) -> list[int]:
+    """`4` -> [4]; `4,8` -> [4, 8] (each at least 1)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count of at least 1, or several separated by commas")
+    return values
+
+
 def repeat_path(path: Path | None, run: int) -> Path | None:
-    """Where run `run` (from 1) of a --repeat writes its timeline: the path itself for the first run, else its
-    name with -run before the suffix."""
+    """Where run `run` (from 1) writes its timeline, the runs of --repeat numbered on over each --orchestrators
+    count: the path itself for the first run, else its name with -run before the suffix."""
     return path if path is None or run == 1 else path.with_name(f"{path.stem}-{run}{path.suffix}")
 
 

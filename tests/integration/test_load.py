@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import time
 
 import numpy as np
@@ -336,3 +338,42 @@ def test_two_orchestrators_over_one_set_of_services_each_serve_the_same_conversa
     assert services[0] == services[1]
     assert all(o.done and not o.errors and o.frames == 25 for o in outcomes)
     assert outcomes[0].signature() == outcomes[1].signature()
+
+
+def test_orchestrator_counts_parse_as_a_list_of_positive_counts():
+    from bench.load import counts
+
+    assert counts("4") == [4] and counts("4,8,16") == [4, 8, 16]
+    for bad in ("0", "4,0", "", "4,x", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+            counts(bad)
+
+
+def test_each_orchestrator_count_runs_on_one_set_of_services(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    from bench import load
+
+    started = []
+    real = load.shared_services
+
+    @contextlib.contextmanager
+    def counted(*args, **kwargs):
+        with real(*args, **kwargs) as flags:
+            started.append(flags[flags.index("--services") + 1])
+            yield flags
+
+    monkeypatch.setattr(load, "shared_services", counted)
+    path = tmp_path / "burst-2.timeline.json"
+    assert load.main(["--model", str(tiny_checkpoint), "--grpc", "2", "--ws", "0", "--seconds", "1", "--pace",
+                      "burst", "--orchestrators", "1,2", "--repeat", "2", "--timeline", str(path),
+                      "--serve-flags", "--frame-timeout 30"]) == 0
+    out = capsys.readouterr().out
+    assert len(started) == 1  # the services started once for every count
+    heads = [line for line in out.splitlines() if line.startswith("orchestrators ")]
+    assert heads == ["orchestrators 1, run 1 of 2", "orchestrators 1, run 2 of 2", "orchestrators 2, run 1 of 2",
+                     "orchestrators 2, run 2 of 2"]
+    assert out.count("lost_frames           0") == 4
+    # the four runs' timelines, numbered on over the counts, each with both conversations' 13 frames
+    for name in ("burst-2.timeline.json", "burst-2.timeline-2.json", "burst-2.timeline-3.json",
+                 "burst-2.timeline-4.json"):
+        timeline = json.loads((tmp_path / name).read_text())
+        assert [len(c["arrivals_s"]) for c in timeline["conversations"]] == [13, 13]
