@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from orchestrator.launcher import READY_TIMEOUT_S, ServiceProcess
+from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,19 @@ MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a service that ran this long before it died starts its backoff over
 
 
+_EXIT_MEANINGS = {EXIT_BIND: "its port is in use", EXIT_DEVICE_LOST: "its device failed"}
+
+
 def describe_exit(code: int) -> str:
-    """A Popen return code in words: `-9` -> "killed by SIGKILL", `3` -> "exited with code 3"."""
+    """A Popen return code in words: `-9` -> "killed by SIGKILL", `1` -> "exited with code 1", `3` -> "exited
+    with code 3 (its device failed)" for the codes a service gives a meaning (services.common.errors)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exited with code {code}"
+    meaning = _EXIT_MEANINGS.get(code)
+    return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
 
 
 class Supervisor:

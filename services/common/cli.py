@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
-from services.common.errors import EXIT_BIND, BindError
+from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
@@ -364,6 +364,10 @@ def run_service(
     except BindError as exc:  # another process holds the port: say so, with the code that means it
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BIND
+    except DeviceLost as exc:  # its work cannot go on in this process: the supervisor starts another
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        spec = None  # closing the engine would run on the failed device
+        return EXIT_DEVICE_LOST
     except Exception as exc:  # cannot bind, bad checkpoint: one clear line; the traceback only at DEBUG
         logging.getLogger(prog).debug("startup failed", exc_info=True)
         detail = str(exc) if isinstance(exc, OSError | ValueError) else f"{type(exc).__name__}: {exc}"

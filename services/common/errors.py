@@ -6,11 +6,22 @@ ServiceUnavailable -> UNAVAILABLE        still loading, shutting down, a depende
 anything else      -> INTERNAL
 
 BindError is not a gRPC status: an address a server cannot listen on, which ends the process with EXIT_BIND.
+
+A lost device is not one either: once a GPU's context has failed (an illegal memory access, a launch failure),
+every later call on it fails the same way, so the call is answered UNAVAILABLE (another replica, or this one
+started again, can take it) and the process ends with EXIT_DEVICE_LOST for its supervisor to start it afresh.
 """
 
 import errno
 
 EXIT_BIND = 2  # the exit code of a server whose port is in use (or whose host is not this machine's)
+EXIT_DEVICE_LOST = 3  # the exit code of a service whose device failed for good (see `device_lost`)
+
+# What the CUDA runtime (as MLX's errors quote it) and Metal say once a device's context is unusable: such an error
+# is sticky, every later kernel of the process failing too. Running out of memory is not among them.
+_DEVICE_LOST = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
+                "illegal instruction", "uncorrectable ecc error", "hardware stack error", "gpu address fault",
+                "context is destroyed", "gpu has fallen off the bus")
 
 
 class LimitExceeded(Exception):
@@ -19,6 +30,24 @@ class LimitExceeded(Exception):
 
 class ServiceUnavailable(Exception):
     """The service cannot take the call now (loading, shutting down, dependency down); retrying may work."""
+
+
+class DeviceLost(RuntimeError):
+    """The service's device failed for good: the process ends with EXIT_DEVICE_LOST; the message says why."""
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the device's context is lost (a sticky GPU fault), not a failure of one call.
+
+    >>> device_lost(RuntimeError("cudaGraphLaunch(...) failed: an illegal memory access was encountered"))
+    True
+    >>> device_lost(RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    False
+    """
+    if isinstance(exc, DeviceLost):
+        return True
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(text in message for text in _DEVICE_LOST)
 
 
 class BindError(OSError):

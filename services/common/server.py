@@ -8,6 +8,10 @@ and one interceptor that maps domain exceptions to status codes, so servicer met
     ServiceUnavailable -> UNAVAILABLE,
     NotImplementedError -> UNIMPLEMENTED, anything else -> INTERNAL (logged with its traceback).
 
+A lost device (`services.common.errors.device_lost`: a sticky GPU fault) answers UNAVAILABLE, so the caller's
+failover takes the session elsewhere, and `serve` ends: health turns NOT_SERVING, the calls in flight are cut,
+and `serve` raises DeviceLost, on which the process exits with EXIT_DEVICE_LOST and its supervisor restarts it.
+
 Given a Metrics, the interceptor counts each mapped error in voicechat_errors_total by status code name.
 
 Until the server is marked serving, calls to the registered services are answered UNAVAILABLE.
@@ -34,7 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import BindError, LimitExceeded, ServiceUnavailable, bind_error
+from services.common.errors import BindError, DeviceLost, LimitExceeded, ServiceUnavailable, bind_error, device_lost
 from services.common.metrics import Metrics
 from services.common.security import Tls, bearer_matches
 
@@ -65,6 +69,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, message
     if isinstance(exc, ServiceUnavailable):
         return grpc.StatusCode.UNAVAILABLE, message
+    if device_lost(exc):
+        return grpc.StatusCode.UNAVAILABLE, (f"the service's device failed ({type(exc).__name__}: {exc}); the "
+                                             "service is restarting: retry")
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, message
     if isinstance(exc, NotImplementedError):
@@ -72,13 +79,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, metrics: Metrics | None) -> None:
+OnDeviceLost = Callable[[BaseException], None]
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, metrics: Metrics | None,
+                 on_device_lost: OnDeviceLost | None = None) -> None:
     if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted itself: its status stands
         raise exc
     code, message = status_for(exc)
     if metrics is not None:
         metrics.error(code.name)
-    if code == grpc.StatusCode.INTERNAL:
+    if device_lost(exc):
+        if on_device_lost is not None:
+            on_device_lost(exc)
+    elif code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a servicer method")
     else:
         log.info("%s: %s", code.name, message)
@@ -96,19 +110,21 @@ class _Gate:
             raise ServiceUnavailable("the service is still loading its model; retry when health says SERVING")
 
 
-def _wrap_unary_response(behavior: Callable, gate: _Gate, metrics: Metrics | None) -> Callable:
+def _wrap_unary_response(behavior: Callable, gate: _Gate, metrics: Metrics | None,
+                         on_device_lost: OnDeviceLost | None) -> Callable:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             gate.check()
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         except Exception as exc:
-            await _abort(context, exc, metrics)
+            await _abort(context, exc, metrics, on_device_lost)
 
     return handler
 
 
-def _wrap_stream_response(behavior: Callable, gate: _Gate, metrics: Metrics | None) -> Callable:
+def _wrap_stream_response(behavior: Callable, gate: _Gate, metrics: Metrics | None,
+                          on_device_lost: OnDeviceLost | None) -> Callable:
     # An async generator function, so grpc.aio streams what it yields; it also serves servicers written
     # with context.write (a coroutine that yields nothing) and plain generators.
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -125,14 +141,15 @@ def _wrap_stream_response(behavior: Callable, gate: _Gate, metrics: Metrics | No
                 for response in result:
                     yield response
         except Exception as exc:
-            await _abort(context, exc, metrics)
+            await _abort(context, exc, metrics, on_device_lost)
 
     return handler
 
 
-def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate, metrics: Metrics | None) -> grpc.RpcMethodHandler:
-    return _rebuilt(handler, lambda behavior: _wrap_unary_response(behavior, gate, metrics),
-                    lambda behavior: _wrap_stream_response(behavior, gate, metrics))
+def _wrap(handler: grpc.RpcMethodHandler, gate: _Gate, metrics: Metrics | None,
+          on_device_lost: OnDeviceLost | None) -> grpc.RpcMethodHandler:
+    return _rebuilt(handler, lambda behavior: _wrap_unary_response(behavior, gate, metrics, on_device_lost),
+                    lambda behavior: _wrap_stream_response(behavior, gate, metrics, on_device_lost))
 
 
 def _rebuilt(handler: grpc.RpcMethodHandler, unary: Callable[[Callable], Callable],
@@ -172,12 +189,15 @@ def _authorization(details: grpc.HandlerCallDetails) -> str | None:
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Answers UNAVAILABLE until the gate opens and maps servicer exceptions to status codes (status_for),
     counting them in `metrics` when given. With `api_key`, every call but a health check needs the metadata
-    `authorization: Bearer KEY` (UNAUTHENTICATED otherwise): probes stay open, reflection does not."""
+    `authorization: Bearer KEY` (UNAUTHENTICATED otherwise): probes stay open, reflection does not.
+    `on_device_lost` hears of every call that failed on a lost device."""
 
-    def __init__(self, gate: _Gate, metrics: Metrics | None = None, api_key: str | None = None) -> None:
+    def __init__(self, gate: _Gate, metrics: Metrics | None = None, api_key: str | None = None,
+                 on_device_lost: OnDeviceLost | None = None) -> None:
         self._gate = gate
         self._metrics = metrics
         self._api_key = api_key
+        self._on_device_lost = on_device_lost
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
@@ -196,7 +216,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or service in _INFRA_SERVICES:
             return handler
-        self._wrapped[method] = _wrap(handler, self._gate, self._metrics)
+        self._wrapped[method] = _wrap(handler, self._gate, self._metrics, self._on_device_lost)
         return self._wrapped[method]
 
 
@@ -286,12 +306,13 @@ async def start_server(
     metrics: Metrics | None = None,
     api_key: str | None = None,
     tls: Tls | None = None,
+    on_device_lost: OnDeviceLost | None = None,
 ) -> RunningServer:
     """Bind and start a server whose services answer UNAVAILABLE (health NOT_SERVING) until set_serving(True).
 
     port 0 binds an ephemeral port, reported as `RunningServer.port`. Errors the interceptor maps are counted in
     `metrics` when given. With `api_key` calls need `authorization: Bearer KEY` (see ServiceInterceptor); with
-    `tls` the port speaks TLS only.
+    `tls` the port speaks TLS only. `on_device_lost(exc)` is called for each call that failed on a lost device.
     """
     if max_message_mb <= 0:
         raise ValueError(f"max_message_mb must be positive, got {max_message_mb}")
@@ -306,7 +327,8 @@ async def start_server(
                # splits the connections between the two: a port in use must fail instead.
                ("grpc.so_reuseport", 0)]
     gate = _Gate()
-    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics, api_key)], options=options)
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(gate, metrics, api_key, on_device_lost)],
+                             options=options)
     for add, servicer in registrations:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -373,11 +395,23 @@ async def serve(
     `drain`, new calls are refused and calls in flight get grace_s seconds before they are cancelled. With it,
     the server keeps taking calls while `drain(grace_s)` runs (the servicer refuses new sessions itself and
     ends the last ones with a message of its own), then stops with one more second for those messages.
+
+    A call that fails on a lost device stops the server at once (no drain: the device runs nothing more, so the
+    sessions go to their callers' failover) and `serve` raises DeviceLost.
     """
     stop = stop or asyncio.Event()
+    lost: list[BaseException] = []
+
+    def on_device_lost(exc: BaseException) -> None:
+        if not lost:
+            log.error("the device failed (%s: %s): stopping, for this service to be started afresh",
+                      type(exc).__name__, exc)
+            lost.append(exc)
+        stop.set()
+
     running = await start_server(
         registrations, service_names, host=host, port=port, max_message_mb=max_message_mb, metrics=metrics,
-        api_key=api_key, tls=tls,
+        api_key=api_key, tls=tls, on_device_lost=on_device_lost,
     )
     undo_signals = _install_signal_handlers(stop)
     ready = asyncio.ensure_future(running.become_ready(load))
@@ -394,6 +428,9 @@ async def serve(
         for task in (ready, stopped):
             task.cancel()
         undo_signals()
+        if lost:
+            await running.stop(0)
+            raise DeviceLost(f"the device failed: {type(lost[0]).__name__}: {lost[0]}") from lost[0]
         log.info("shutting down (grace %.1f s)", grace_s)
         if drain is not None and running.serving:
             await running.health.enter_graceful_shutdown()

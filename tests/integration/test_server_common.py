@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
 from services.common import cli
 from services.common.engine_thread import EngineThread
-from services.common.errors import LimitExceeded, ServiceUnavailable
+from services.common.errors import EXIT_DEVICE_LOST, DeviceLost, LimitExceeded, ServiceUnavailable
 from services.common.server import full_service_name, serve, start_server
 from services.common.tensors import from_proto_np, to_proto_np
 
@@ -30,6 +30,10 @@ HOST = "127.0.0.1"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Q, SAMPLES_PER_FRAME = 4, 8
+LOST = -77  # a first code the fake decoder meets with the device fault below
+# as MLX's CUDA backend reported one on an H100 (the codec, out of memory just before)
+DEVICE_FAULT = ("cudaGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: an illegal memory access was "
+                "encountered")
 
 
 class FakeCodecEngine:
@@ -50,6 +54,8 @@ class FakeCodecEngine:
         self.thread_ids.append(threading.get_ident())
         if codes.shape != (Q,):
             raise ValueError(f"codes must have shape ({Q},), got {codes.shape}")
+        if codes[0] == LOST:
+            raise RuntimeError(DEVICE_FAULT)
         if codes[0] < 0:
             raise RuntimeError("decoder exploded")
         return np.full(SAMPLES_PER_FRAME, codes.sum(), np.float32)
@@ -222,6 +228,76 @@ def test_stream_exceptions_map_to_status_codes_after_good_frames(bad, code, mess
             assert from_proto_np(received[1].frame.samples).tolist() == [10.0] * SAMPLES_PER_FRAME
 
     asyncio.run(main())
+
+
+def test_a_lost_device_answers_unavailable_and_ends_serve_with_device_lost():
+    async def main():
+        stop = asyncio.Event()
+        ready = asyncio.get_running_loop().create_future()
+        servicer = FakeCodecServicer(EngineThread())
+        registrations = [(codec_pb2_grpc.add_CodecServiceServicer_to_server, servicer)]
+        task = asyncio.create_task(serve(registrations, [CODEC], host=HOST, port=0, grace_s=30, stop=stop,
+                                         on_ready=ready.set_result))
+        running = await asyncio.wait_for(ready, 5)
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stub = codec_pb2_grpc.CodecServiceStub(channel)
+            # an ordinary failure leaves the service up
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.DecodeStream(iter([OPEN, frame(0, [-1, 0, 0, 0])])):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INTERNAL and not task.done()
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for response in stub.DecodeStream(iter([OPEN, frame(0, [1, 2, 3, 4]), frame(1, [LOST, 0, 0,
+                                                                                                        0])])):
+                    received.append(response)
+            # the caller's failover may take it elsewhere: UNAVAILABLE, with what failed and what to do
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == (f"the service's device failed (RuntimeError: {DEVICE_FAULT}); the "
+                                           "service is restarting: retry")
+            assert len(received) == 2
+        # serve ends at once (not after the 30 s grace) and says why
+        with pytest.raises(DeviceLost, match="illegal memory access"):
+            await asyncio.wait_for(task, 5)
+        servicer.engine_thread.close()
+
+    asyncio.run(main())
+
+
+def test_a_service_whose_device_failed_exits_with_its_code(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        from protos.voicechat.v1 import codec_pb2, codec_pb2_grpc
+        from services.common.cli import ServiceSpec, run_service
+        from services.common.server import full_service_name
+
+        class Servicer(codec_pb2_grpc.CodecServiceServicer):
+            async def Encode(self, request, context):
+                raise RuntimeError({DEVICE_FAULT!r})
+
+        def build(args):
+            return ServiceSpec([(codec_pb2_grpc.add_CodecServiceServicer_to_server, Servicer())],
+                               [full_service_name(codec_pb2, "CodecService")])
+
+        argv = ["--model", {str(tmp_path)!r}, "--host", "{HOST}", "--port", "0", "--log-level", "warning"]
+        raise SystemExit(run_service(build, prog="fake", description="fake", argv=argv))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        parsed = cli.parse_ready_line(proc.stdout.readline())
+        assert parsed is not None, proc.stderr.read()
+        with grpc.insecure_channel(f"{HOST}:{parsed[1]}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                codec_pb2_grpc.CodecServiceStub(channel).Encode(encode_request(8), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert proc.wait(timeout=10) == EXIT_DEVICE_LOST
+        assert f"fake: error: the device failed: RuntimeError: {DEVICE_FAULT}" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_stream_must_open_first():

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the se
 def test_exits_in_words():
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(-15) == "killed by SIGTERM"
-    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(1) == "exited with code 1"
+    assert describe_exit(3) == "exited with code 3 (its device failed)"
+    assert describe_exit(2) == "exited with code 2 (its port is in use)"
     assert describe_exit(-200) == "killed by signal 200"
 
 
