@@ -169,6 +169,7 @@ class GroupedCache(abc.ABC):
         self._row = 0  # its first row in the group's arrays
         self._capacity = 0  # its buffer size while in a group
         self.moves = 0  # times keys it held changed slots (a trim, an append reordering them): no delta spans one
+        self._copied_from: tuple[mx.array, mx.array] | None = None  # the arrays `copy` read, until it writes its own
 
     @property
     def keys(self) -> mx.array | None:
@@ -197,6 +198,7 @@ class GroupedCache(abc.ABC):
         return 0 if self._keys is None else self._keys.shape[2]
 
     def _own(self) -> None:
+        self._copied_from = None  # about to write its arrays: no longer what it was copied from
         if self.group is not None:
             self._keys, self._values = self.group.rows(self)
             self.group = None
@@ -267,10 +269,15 @@ class GroupedCache(abc.ABC):
         other as it is."""
         keys, values = self.keys, self.values
         other = copy.copy(self)
-        other.group, other._row, other._capacity = None, 0, 0
+        other.group, other._row, other._capacity, other._copied_from = None, 0, 0, None
         if keys is not None:
             other._keys, other._values = mx.array(keys), mx.array(values)
+            other._copied_from = (keys, values)  # copies of one cache join a group as that cache tiled
         return other
+
+    def copied_from(self) -> tuple[mx.array, mx.array] | None:
+        """The keys and values it holds copies of, when `copy` made it and it has written nothing since."""
+        return self._copied_from if self.group is None else None
 
     def split_rows(self) -> list[GroupedCache]:
         """A cache written for B sessions at once (its own arrays, in no group) as B caches of one row each, with
@@ -289,7 +296,7 @@ class GroupedCache(abc.ABC):
     def restore(self, snapshot: Snapshot) -> None:
         """Take the state `snapshot` gave: the held keys in a buffer of the size it had."""
         self.group = None
-        self._keys = self._values = None
+        self._keys = self._values = self._copied_from = None
         if snapshot.has("keys"):  # read into a buffer of its size, zeros past the held keys as its unwritten keys are
             capacity = snapshot.int("capacity")
             self._keys, self._values = (snapshot.array(name, axis=2, width=capacity) for name in ("keys", "values"))
@@ -309,18 +316,36 @@ class LayerGroup:
     per * i ... per * (i + 1) - 1 are member i's, each widened with zeros to the longest buffer. A step attends
     over the buffer's first max(visible) keys, those past each member's visible ones masked out."""
 
-    def __init__(self, caches: Sequence[GroupedCache], per: int):
-        """Stack the caches (each with keys, all of one dtype; see `can_form`) and make them this group's rows."""
+    def __init__(self, caches: Sequence[GroupedCache], per: int,
+                 stacked: tuple[mx.array, mx.array] | None = None):
+        """Stack the caches (each with keys, all of one dtype; see `can_form`) and make them this group's rows;
+        `stacked` gives those rows' keys and values already stacked (`of_copies`)."""
         self.members = [weakref.ref(cache) for cache in caches]  # a closed session's caches are not kept alive
         self.per = per
-        width = max(cache.capacity for cache in caches)
-        self.keys = mx.concatenate([widened(cache.keys, width) for cache in caches], axis=0)
-        self.values = mx.concatenate([widened(cache.values, width) for cache in caches], axis=0)
+        if stacked is None:
+            width = max(cache.capacity for cache in caches)
+            stacked = (mx.concatenate([widened(cache.keys, width) for cache in caches], axis=0),
+                       mx.concatenate([widened(cache.values, width) for cache in caches], axis=0))
+        self.keys, self.values = stacked
         self._head_index: mx.array | None = None
         for i, cache in enumerate(caches):
             cache._capacity = cache.capacity
-            cache._keys = cache._values = None
+            cache._keys = cache._values = cache._copied_from = None
             cache.group, cache._row = self, i * per
+
+    @classmethod
+    def of_copies(cls, caches: Sequence[GroupedCache], per: int) -> LayerGroup | None:
+        """The group of caches that are all untouched copies of one cache (sessions opened on one kept warm-up or
+        prompt), its keys and values tiled: one copy of the whole group, not one of each member and another into
+        the stack. None when they are not."""
+        sources = {id(source[0]): source for cache in caches if (source := cache.copied_from()) is not None}
+        if len(caches) < 2 or len(sources) != 1 or any(cache.copied_from() is None for cache in caches):
+            return None
+        keys, values = next(iter(sources.values()))
+        if keys.shape[0] != per:
+            return None
+        rows = (len(caches), 1, 1, 1)
+        return cls(caches, per, (mx.tile(keys, rows), mx.tile(values, rows)))
 
     @staticmethod
     def can_form(caches: Sequence[GroupedCache]) -> bool:
@@ -784,6 +809,10 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
         plans = group.plans(index)
         if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
             return group.step(q, k, v, plans, scale, index)
+    elif _copies_step_as_group(caches, k, v, stack_up_to):  # fresh sessions on one warm-up: no per-session write
+        group = LayerGroup.of_copies(caches, per)
+        if group is not None:
+            return group.step(q, k, v, group.plans(), scale)
     seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per]) for i, cache in enumerate(caches)]
     lengths = [sk.shape[2] for sk, _ in seen]
     stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to] if LayerGroup.can_form(caches) else []
@@ -801,6 +830,16 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
     return mx.concatenate([pieces[i] if i in pieces else
                            mx.fast.scaled_dot_product_attention(q[i * per : (i + 1) * per], sk, sv, scale=scale)
                            for i, (sk, sv) in enumerate(seen)], axis=0)
+
+
+def _copies_step_as_group(caches: Sequence[GroupedCache], k: mx.array, v: mx.array, stack_up_to: int) -> bool:
+    """Whether copies of one cache take their next key as a group's step exactly as each one's own update would:
+    the key in the copies' dtype (a grown buffer keeps it either way), nothing dropped, every view stacked."""
+    source = caches[0].copied_from()
+    if source is None or source[0].dtype != k.dtype or source[1].dtype != v.dtype:
+        return False
+    plan = caches[0].plan_one()  # the copies' counters are one cache's: their plans are this one
+    return not plan.trim and plan.visible <= stack_up_to
 
 
 def _attend_stacked(q: mx.array, seen: list[tuple[mx.array, mx.array]], caches: Sequence[GroupedCache], per: int,

@@ -137,3 +137,45 @@ def test_layers_stepping_the_same_members_share_their_index_arrays():
     rows, source = kv_group.member_rows((0, 2), 3, PER)
     assert np.array(rows).tolist() == [0, 1, 4, 5] and rows.dtype == mx.uint32
     assert np.array(source).tolist() == [0, 1, 0, 0, 2, 3] and source.dtype == mx.int32
+
+
+@pytest.mark.parametrize(("make", "prompt"), [(FullCache, 5), (FullCache, 256), (lambda: RingCache(7), 5),
+                                              (lambda: RingCache(7), 9), (lambda: RingCache(300), 37)],
+                         ids=["full", "full-grows", "ring", "ring-drops", "ring-grows"])
+def test_copies_of_one_cache_step_as_a_tiled_group_exactly_as_their_own_updates(make, prompt, monkeypatch):
+    """Sessions opened on one kept warm-up hold copies of its caches: their first batched step forms the group
+    from the source tiled (no write of each copy), and must leave every cache and give every attention exactly
+    as each copy's own update would; a copy that has written since is not a copy any more."""
+    from services.common import cache as cache_module
+
+    source = make()
+    source.update(*_kv(np.random.default_rng(7), PER, prompt))
+    tiled = []
+    real = LayerGroup.of_copies.__func__
+
+    def spy(cls, caches, per):
+        group = real(cls, caches, per)
+        tiled.append(group is not None)
+        return group
+
+    monkeypatch.setattr(LayerGroup, "of_copies", classmethod(spy))
+    copies, own = [source.copy() for _ in range(3)], [source.copy() for _ in range(3)]
+    assert all(c.copied_from() is not None for c in copies)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        q, k = _kv(rng, PER * 3, 1)
+        v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+        got = cache_module.attend_sessions(q, k, v, copies, SCALE, stack_up_to=1 << 20)
+        for i in range(3):
+            rows = slice(i * PER, (i + 1) * PER)
+            np.testing.assert_array_equal(np.array(got[rows]), np.array(_own_step(own[i], q[rows], k[rows], v[rows])))
+        assert copies[0].group is not None and LayerGroup.holding(copies) is not None
+    # a ring's prompt of 9 in a window of 7 drops keys at its first single key: only its own update does that
+    assert tiled == ([] if prompt == 9 else [True])
+    for mine, theirs in zip(copies, own, strict=True):
+        _assert_same_cache(mine, theirs)
+        assert mine.copied_from() is None
+    # the source is untouched, and a copy that wrote on its own is no copy
+    again = source.copy()
+    again.update(*_kv(rng, PER, 1))
+    assert again.copied_from() is None and source.offset == prompt
