@@ -330,6 +330,7 @@ class Conformer:
     # (keys, dtype) -> every layer's projected positions, evaluated: the compiled steps' window length only
     _positions: dict = field(default_factory=dict, repr=False, compare=False)
     _dtypes: dict = field(default_factory=dict, repr=False, compare=False)  # mel dtype -> subsampled dtype
+    _zeros: dict = field(default_factory=dict, repr=False, compare=False)  # shape -> `kept_zeros`
 
     @classmethod
     def from_weights(cls, weights: Weights, path: str, cfg: EncoderConfig) -> Conformer:
@@ -348,10 +349,23 @@ class Conformer:
 
     def empty_caches(self) -> tuple[list[mx.array], list[mx.array]]:
         """A stream's caches before its first frame, float32, one of each per layer: the attention cache (1, 0,
-        2 * d_model), no frame's key and value projections yet; the conv cache (1, kernel - 1, d_model), zeros."""
+        2 * d_model), no frame's key and value projections yet; the conv cache (1, kernel - 1, d_model), zeros.
+        They are `kept_zeros`: every fresh stream holds the same arrays."""
         cfg = self.cfg
-        return ([mx.zeros((1, 0, 2 * cfg.d_model), mx.float32) for _ in range(cfg.n_layers)],
-                [mx.zeros((1, cfg.conv_kernel_size - 1, cfg.d_model), mx.float32) for _ in range(cfg.n_layers)])
+        attn, conv = self.kept_zeros((1, 0, 2 * cfg.d_model)), self.kept_zeros((1, cfg.conv_kernel_size - 1,
+                                                                                cfg.d_model))
+        return [attn] * cfg.n_layers, [conv] * cfg.n_layers
+
+    def kept_zeros(self, shape: tuple[int, ...]) -> mx.array:
+        """float32 zeros of `shape`, made and evaluated once, then the same array for every caller. A stream's
+        caches are replaced by each step, never written in place, so fresh streams may share them; a batch of
+        fresh streams then gathers each layer's rows from one array with one take, not a copy of each."""
+        zeros = self._zeros.get(shape)
+        if zeros is None:
+            zeros = mx.zeros(shape, mx.float32)
+            mx.eval(zeros)
+            self._zeros[shape] = zeros
+        return zeros
 
     def project_positions(self, keys: int, dtype: mx.Dtype) -> list[mx.array]:
         """Every layer's `RelPosAttention.positions` of the 2 * keys - 1 relative positions' sinusoids in `dtype`

@@ -87,8 +87,12 @@ class EncoderStream:
 
     def padded_caches(self) -> list[mx.array]:
         """The attention caches with zero rows in front up to the full left context: the rows the last padded
-        step left (no copy), else padded now."""
-        return self.padded_rows() or [front_pad(cache, self.encoder.cfg.left_context) for cache in self.attn_caches]
+        step left (no copy), else padded now (an empty float32 cache: the encoder's kept zeros, the same array
+        for every fresh stream)."""
+        left = self.encoder.cfg.left_context
+        return self.padded_rows() or [
+            self.encoder.kept_zeros((1, left, cache.shape[2])) if cache.shape[1] == 0 and cache.dtype == mx.float32
+            else front_pad(cache, left) for cache in self.attn_caches]
 
     def keep_padded(self, rows: list[mx.array], keep: int) -> None:
         """Store a padded step's new caches: rows (1, left, 2D) per layer, of which the last `keep` are real (what
