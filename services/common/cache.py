@@ -691,6 +691,7 @@ class PooledState:
     def __init__(self, state: tuple[mx.array | None, ...] | None = None) -> None:
         self._state: tuple[mx.array | None, ...] | None = state or (None,) * self.width
         self._rows: tuple[list[mx.array], int, int] | None = None  # (stacks, first, row) while a pool's
+        self._copied_from: tuple[mx.array | None, ...] | None = None  # what `copy` read, until a new state
 
     @property
     def state(self) -> tuple[mx.array | None, ...]:
@@ -701,11 +702,16 @@ class PooledState:
 
     @state.setter
     def state(self, state: tuple[mx.array | None, ...]) -> None:
-        self._state, self._rows = tuple(state), None
+        self._state, self._rows, self._copied_from = tuple(state), None, None
 
     def take_rows(self, stacks: list[mx.array], first: int, row: int) -> None:
         """Hold row `row` of stacks[first], stacks[first + 1], ... as its state, read when first needed."""
-        self._state, self._rows = None, (stacks, first, row)
+        self._state, self._rows, self._copied_from = None, (stacks, first, row), None
+
+    def stacking(self) -> tuple[mx.array | None, ...]:
+        """Its state to stack into a batch: the arrays `copy` read while it holds their copies unchanged (copies
+        of one state then stack as that state tiled, one copy in all), else `state`."""
+        return self._copied_from or self.state
 
     def holds_rows(self, stacks: list[mx.array], first: int, row: int) -> bool:
         """Whether its state is still those rows (read or not), nothing having set it since."""
@@ -715,7 +721,9 @@ class PooledState:
     def copy(self) -> PooledState:
         """A state holding what this one holds in array objects of its own, outside any pool."""
         other = copy.copy(self)
-        other.state = tuple(None if a is None else mx.array(a) for a in self.state)
+        source = self.state
+        other.state = tuple(None if a is None else mx.array(a) for a in source)
+        other._copied_from = source
         return other
 
     def split_rows(self) -> list[PooledState]:
@@ -1018,9 +1026,9 @@ class StatePools:
             at = mx.array(rows)
             return Gathered(list(sessions), identity, None, [mx.take(stack, at, axis=0) for stack in pool.stacked],
                             pool, rows)
-        per_session = [[a for holder in self.holders(s) for a in holder.state] for s in sessions]
-        return Gathered(list(sessions), identity, None,
-                        [mx.concatenate(parts, axis=0) for parts in zip(*per_session, strict=True)])
+        per_session = [[a for holder in self.holders(s) for a in holder.stacking()] for s in sessions]
+        return Gathered(list(sessions), identity, None, [stack_rows(parts) for parts in zip(*per_session,
+                                                                                            strict=True)])
 
     def scatter(self, batch: Gathered, states: list[mx.array]) -> list[mx.array]:
         """Hand the batch's new states back to its sessions (writing a taken batch's rows into its pool's
@@ -1034,6 +1042,14 @@ class StatePools:
         pool.hand()
         self.pools[pool.keys] = pool
         return states
+
+
+def stack_rows(parts: Sequence[mx.array]) -> mx.array:
+    """Arrays of one shape stacked on their first axis: one array repeated (states copied from one prompt's) tiled,
+    one copy in all; else concatenated."""
+    if len(parts) > 1 and all(part is parts[0] for part in parts):
+        return mx.tile(parts[0], (len(parts),) + (1,) * (parts[0].ndim - 1))
+    return mx.concatenate(parts, axis=0)
 
 
 # ---- which entries batch together --------------------------------------------------------------------------

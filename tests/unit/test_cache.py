@@ -191,6 +191,32 @@ def test_a_pool_hands_rows_that_are_read_only_when_needed_and_setting_a_state_le
     assert _rows(sessions[1]) == [[0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
+def test_copies_of_one_state_stack_as_it_tiled_and_a_changed_copy_as_its_own(monkeypatch):
+    """Sessions opened on one kept prompt hold copies of its states: their first batch stacks the prompt's arrays
+    tiled (one copy in all) with the same values a concatenation of the copies gives; a copy given a new state
+    since, or handed a pool's rows, stacks what it now holds."""
+    from services.common import cache
+
+    prompt = Holder((mx.array([[1.0, 2.0]]), mx.array([[3.0, 4.0, 5.0]])))
+    sessions = [Session(k, [prompt.copy()]) for k in range(3)]
+    assert all(s.holders[0].stacking()[0] is prompt.state[0] for s in sessions)
+    tiled = []
+    real = mx.tile
+    monkeypatch.setattr(cache.mx, "tile", lambda a, reps: tiled.append(reps) or real(a, reps))
+    pools = _pools()
+    batch = pools.gather(sessions)
+    assert tiled == [(3, 1), (3, 1)]
+    assert np.array(batch.states[1]).tolist() == [[3.0, 4.0, 5.0]] * 3
+    pools.scatter(batch, [a + 1 for a in batch.states])
+    assert sessions[0].holders[0].stacking()[0] is not prompt.state[0]  # a pool's rows now
+    assert _rows(sessions[2]) == [[2.0, 3.0], [4.0, 5.0, 6.0]] and np.array(prompt.state[0]).tolist() == [[1, 2]]
+    changed = [Session(k, [prompt.copy()]) for k in range(3, 5)]
+    changed[1].holders[0].state = (mx.array([[9.0, 9.0]]), mx.array([[9.0, 9.0, 9.0]]))
+    tiled.clear()
+    again = _pools().gather(changed)
+    assert tiled == [] and np.array(again.states[0]).tolist() == [[1.0, 2.0], [9.0, 9.0]]
+
+
 def test_group_by_signature_keeps_groups_of_two_or_more_in_order():
     entries = [("a", 3), ("b", 1), ("a", 1), (None, 0), ("b", 0), ("c", 5)]
     groups, solo = group_by_signature(entries, lambda e: e[0], order=lambda e: e[1])
