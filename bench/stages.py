@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import json
 import re
 import statistics
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from orchestrator.profile import percentile
 from services.codec.engine import CodecEngine
@@ -66,6 +68,36 @@ READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
 def _is_read(args: tuple, only_mlx: bool) -> bool:
     return not only_mlx or bool(args and isinstance(args[0], mx.array))
+
+
+class GraphNodes(_Patches):
+    """Counts the nodes of the graphs `mx.eval` evaluates while installed (`with GraphNodes() as nodes:`), as
+    `mx.export_to_dot` draws them: the operations an evaluation reaches that no earlier one computed, and their
+    inputs (a compiled function's call is one node). On a GPU each operation outside a compiled function launches
+    a kernel or more, so a step's count says, on any machine, how much it launches beside another step's. `take()`
+    gives the count since the last take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __enter__(self) -> GraphNodes:
+        def wrapper(original):
+            def counted(*args):
+                arrays = [a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]
+                drawn = io.StringIO()
+                mx.export_to_dot(drawn, *arrays)
+                self.count += sum(1 for line in drawn.getvalue().splitlines() if "[" in line and "->" not in line)
+                return original(*args)
+            return counted
+
+        self._wrap(mx, "eval", wrapper)
+        return self
+
+    def take(self) -> int:
+        """The nodes counted since the last take, then reset."""
+        count, self.count = self.count, 0
+        return count
 
 
 class EvalSplit(_Patches):
