@@ -316,36 +316,21 @@ class LayerGroup:
     per * i ... per * (i + 1) - 1 are member i's, each widened with zeros to the longest buffer. A step attends
     over the buffer's first max(visible) keys, those past each member's visible ones masked out."""
 
-    def __init__(self, caches: Sequence[GroupedCache], per: int,
-                 stacked: tuple[mx.array, mx.array] | None = None):
-        """Stack the caches (each with keys, all of one dtype; see `can_form`) and make them this group's rows;
-        `stacked` gives those rows' keys and values already stacked (`of_copies`)."""
+    def __init__(self, caches: Sequence[GroupedCache], per: int):
+        """Stack the caches (each with keys, all of one dtype; see `can_form`) and make them this group's rows: the
+        members of another group in its row order as one piece of its arrays, copies of one cache as that cache
+        tiled, each other cache on its own (`_runs`)."""
         self.members = [weakref.ref(cache) for cache in caches]  # a closed session's caches are not kept alive
         self.per = per
-        if stacked is None:
-            width = max(cache.capacity for cache in caches)
-            stacked = (mx.concatenate([widened(cache.keys, width) for cache in caches], axis=0),
-                       mx.concatenate([widened(cache.values, width) for cache in caches], axis=0))
-        self.keys, self.values = stacked
+        width = max(cache.capacity for cache in caches)
+        runs = _runs(caches, per)
+        self.keys, self.values = (mx.concatenate([run.rows(which, width) for run in runs], axis=0)
+                                  for which in (0, 1))
         self._head_index: mx.array | None = None
         for i, cache in enumerate(caches):
             cache._capacity = cache.capacity
             cache._keys = cache._values = cache._copied_from = None
             cache.group, cache._row = self, i * per
-
-    @classmethod
-    def of_copies(cls, caches: Sequence[GroupedCache], per: int) -> LayerGroup | None:
-        """The group of caches that are all untouched copies of one cache (sessions opened on one kept warm-up or
-        prompt), its keys and values tiled: one copy of the whole group, not one of each member and another into
-        the stack. None when they are not."""
-        sources = {id(source[0]): source for cache in caches if (source := cache.copied_from()) is not None}
-        if len(caches) < 2 or len(sources) != 1 or any(cache.copied_from() is None for cache in caches):
-            return None
-        keys, values = next(iter(sources.values()))
-        if keys.shape[0] != per:
-            return None
-        rows = (len(caches), 1, 1, 1)
-        return cls(caches, per, (mx.tile(keys, rows), mx.tile(values, rows)))
 
     @staticmethod
     def can_form(caches: Sequence[GroupedCache]) -> bool:
@@ -426,6 +411,50 @@ class LayerGroup:
             keys, values = keys[:, :, :width], values[:, :, :width]
         mask = None if min(visible) == width else length_mask(tuple(visible), self.per)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+class _Run(NamedTuple):
+    """Consecutive caches of a group being formed that one piece of it can give: `count` rows of `group` from row
+    `first` on (members in row order), `count` copies of one cache (`source`), or one cache on its own."""
+
+    cache: GroupedCache
+    count: int
+    group: LayerGroup | None = None
+    first: int = 0
+    source: tuple[mx.array, mx.array] | None = None
+
+    def rows(self, which: int, width: int) -> mx.array:
+        """Its keys (which 0) or values (1), widened to `width` keys: the caches' rows exactly as each one's own
+        keys widened give them (a group's rows past a member's keys are zeros, as widening writes them)."""
+        if self.group is not None:
+            buffer = (self.group.keys, self.group.values)[which]
+            rows = buffer[self.first : self.first + self.count * self.group.per]
+            return widened(rows[:, :, :width], width)
+        if self.source is not None:
+            one = widened(self.source[which], width)
+            return one if self.count == 1 else mx.tile(one, (self.count, 1, 1, 1))
+        return widened((self.cache.keys, self.cache.values)[which], width)
+
+
+def _runs(caches: Sequence[GroupedCache], per: int) -> list[_Run]:
+    """The caches as runs (`_Run`): members of one group in its row order, copies of one cache, the others alone;
+    a group's or a source's rows are then one piece of the new stack, not one piece a cache."""
+    runs: list[_Run] = []
+    for cache in caches:
+        source, last = cache.copied_from(), runs[-1] if runs else None
+        if cache.group is not None and cache.group.per == per:
+            if last is not None and last.group is cache.group and cache._row == last.first + last.count * per:
+                runs[-1] = last._replace(count=last.count + 1)
+                continue
+            runs.append(_Run(cache, 1, group=cache.group, first=cache._row))
+        elif source is not None and source[0].shape[0] == per:
+            if last is not None and last.source is not None and last.source[0] is source[0]:
+                runs[-1] = last._replace(count=last.count + 1)
+                continue
+            runs.append(_Run(cache, 1, source=source))
+        else:
+            runs.append(_Run(cache, 1))
+    return runs
 
 
 def widened(buffer: mx.array, width: int) -> mx.array:
@@ -817,10 +846,9 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
         plans = group.plans(index)
         if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
             return group.step(q, k, v, plans, scale, index)
-    elif _copies_step_as_group(caches, k, v, stack_up_to):  # fresh sessions on one warm-up: no per-session write
-        group = LayerGroup.of_copies(caches, per)
-        if group is not None:
-            return group.step(q, k, v, group.plans(), scale)
+    elif _steps_as_group(caches, k, v, stack_up_to):  # stacked first, then one write for all, no write of each
+        group = LayerGroup(caches, per)
+        return group.step(q, k, v, group.plans(), scale)
     seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per]) for i, cache in enumerate(caches)]
     lengths = [sk.shape[2] for sk, _ in seen]
     stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to] if LayerGroup.can_form(caches) else []
@@ -840,14 +868,15 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
                            for i, (sk, sv) in enumerate(seen)], axis=0)
 
 
-def _copies_step_as_group(caches: Sequence[GroupedCache], k: mx.array, v: mx.array, stack_up_to: int) -> bool:
-    """Whether copies of one cache take their next key as a group's step exactly as each one's own update would:
-    the key in the copies' dtype (a grown buffer keeps it either way), nothing dropped, every view stacked."""
-    source = caches[0].copied_from()
-    if source is None or source[0].dtype != k.dtype or source[1].dtype != v.dtype:
+def _steps_as_group(caches: Sequence[GroupedCache], k: mx.array, v: mx.array, stack_up_to: int) -> bool:
+    """Whether the caches, stacked into a group before their next key, take it as the group's step exactly as each
+    one's own update and the stack after it would: every one holds keys in the dtype of k and v (a grown buffer
+    keeps it either way), none drops keys (a multi-token append's leftovers, which only its own update drops), and
+    every one's view is stacked."""
+    if len(caches) < 2 or any(cache.dtypes() != (k.dtype, v.dtype) for cache in caches):
         return False
-    plan = caches[0].plan_one()  # the copies' counters are one cache's: their plans are this one
-    return not plan.trim and plan.visible <= stack_up_to
+    plans = [cache.plan_one() for cache in caches]
+    return not any(plan.trim for plan in plans) and all(plan.visible <= stack_up_to for plan in plans)
 
 
 def _attend_stacked(q: mx.array, seen: list[tuple[mx.array, mx.array]], caches: Sequence[GroupedCache], per: int,

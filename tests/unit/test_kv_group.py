@@ -144,21 +144,16 @@ def test_layers_stepping_the_same_members_share_their_index_arrays():
                          ids=["full", "full-grows", "ring", "ring-drops", "ring-grows"])
 def test_copies_of_one_cache_step_as_a_tiled_group_exactly_as_their_own_updates(make, prompt, monkeypatch):
     """Sessions opened on one kept warm-up hold copies of its caches: their first batched step forms the group
-    from the source tiled (no write of each copy), and must leave every cache and give every attention exactly
-    as each copy's own update would; a copy that has written since is not a copy any more."""
+    from the source tiled, then writes the group (no write of each copy), and must leave every cache and give
+    every attention exactly as each copy's own update would; a copy that has written since is not a copy any
+    more."""
     from services.common import cache as cache_module
 
     source = make()
     source.update(*_kv(np.random.default_rng(7), PER, prompt))
     tiled = []
-    real = LayerGroup.of_copies.__func__
-
-    def spy(cls, caches, per):
-        group = real(cls, caches, per)
-        tiled.append(group is not None)
-        return group
-
-    monkeypatch.setattr(LayerGroup, "of_copies", classmethod(spy))
+    real = cache_module.mx.tile
+    monkeypatch.setattr(cache_module.mx, "tile", lambda a, reps: tiled.append(reps[0]) or real(a, reps))
     copies, own = [source.copy() for _ in range(3)], [source.copy() for _ in range(3)]
     assert all(c.copied_from() is not None for c in copies)
     rng = np.random.default_rng(8)
@@ -170,8 +165,9 @@ def test_copies_of_one_cache_step_as_a_tiled_group_exactly_as_their_own_updates(
             rows = slice(i * PER, (i + 1) * PER)
             np.testing.assert_array_equal(np.array(got[rows]), np.array(_own_step(own[i], q[rows], k[rows], v[rows])))
         assert copies[0].group is not None and LayerGroup.holding(copies) is not None
-    # a ring's prompt of 9 in a window of 7 drops keys at its first single key: only its own update does that
-    assert tiled == ([] if prompt == 9 else [True])
+    # one tile of the source's keys and one of its values, once: a ring's prompt of 9 in a window of 7 drops keys
+    # at its first single key, which only each copy's own update does (the copies' own buffers then stacked)
+    assert tiled == ([] if prompt == 9 else [3, 3])
     for mine, theirs in zip(copies, own, strict=True):
         _assert_same_cache(mine, theirs)
         assert mine.copied_from() is None
@@ -179,3 +175,33 @@ def test_copies_of_one_cache_step_as_a_tiled_group_exactly_as_their_own_updates(
     again = source.copy()
     again.update(*_kv(rng, PER, 1))
     assert again.copied_from() is None and source.offset == prompt
+
+
+@pytest.mark.parametrize("make", [FullCache, lambda: RingCache(7)], ids=["full", "ring"])
+def test_sessions_joining_a_group_stack_its_rows_as_one_piece_and_equal_their_own_updates(make, monkeypatch):
+    """A group's members stepping with newcomers (fresh copies of one cache, and one cache of its own) form the
+    new group from the old one's rows in one piece, the copies' source tiled and the other alone, then write it as
+    a group: the attention and every cache exactly as each cache's own update would leave them."""
+    from services.common import cache as cache_module
+
+    grouped, own = _twins(make, [5, 2, 4], seed=11)
+    LayerGroup(grouped, PER)
+    source = make()
+    source.update(*_kv(np.random.default_rng(12), PER, 3))
+    loner, loner_own = _twins(make, [6], seed=13)
+    caches = grouped + [source.copy(), source.copy()] + loner
+    owns = own + [source.copy(), source.copy()] + loner_own
+    pieces = []
+    real = cache_module._runs
+    monkeypatch.setattr(cache_module, "_runs", lambda c, per: pieces.append(len(runs := real(c, per))) or runs)
+    rng = np.random.default_rng(14)
+    for _ in range(3):
+        q, k = _kv(rng, PER * len(caches), 1)
+        v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+        got = cache_module.attend_sessions(q, k, v, caches, SCALE, stack_up_to=1 << 20)
+        for i, theirs in enumerate(owns):
+            rows = slice(i * PER, (i + 1) * PER)
+            np.testing.assert_array_equal(np.array(got[rows]), np.array(_own_step(theirs, q[rows], k[rows], v[rows])))
+    assert pieces == [3]  # the old group's rows, the copies' source, the loner; later steps write the new group
+    for mine, theirs in zip(caches, owns, strict=True):
+        _assert_same_cache(mine, theirs)

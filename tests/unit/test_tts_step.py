@@ -227,9 +227,9 @@ def test_precompile_stacks_sessions_opening_together_at_each_size(engine, monkey
     formed = []
     init = cache.LayerGroup.__init__
 
-    def counted(self, caches, per, stacked=None):
-        formed.append((len(caches), stacked is not None))
-        return init(self, caches, per, stacked)
+    def counted(self, caches, per):
+        formed.append((len(caches), all(cache.copied_from() is not None for cache in caches)))
+        return init(self, caches, per)
 
     monkeypatch.setattr(cache.LayerGroup, "__init__", counted)
     engine.precompile(4, steps=1)
@@ -237,5 +237,5 @@ def test_precompile_stacks_sessions_opening_together_at_each_size(engine, monkey
     # the sizes grown one at a time; then at each size all fresh, and half of them with the other half joining
     assert [size for size, _ in formed[::layers]] == [2, 3, 4] + [2, 2] + [3, 3] + [4, 2, 4]
     assert len(formed) == 10 * layers
-    # fresh sessions only (copies of one warm-up) form theirs tiled; a group joined by others, concatenated
+    # fresh sessions only (copies of one warm-up, stacked as it tiled), then groups joined by others
     assert [tiled for _, tiled in formed[::layers]] == [False] * 3 + [True, False] * 2 + [True, True, False]
