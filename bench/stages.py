@@ -71,11 +71,11 @@ def _is_read(args: tuple, only_mlx: bool) -> bool:
 
 
 class GraphNodes(_Patches):
-    """Counts the nodes of the graphs `mx.eval` evaluates while installed (`with GraphNodes() as nodes:`), as
-    `mx.export_to_dot` draws them: the operations an evaluation reaches that no earlier one computed, and their
-    inputs (a compiled function's call is one node). On a GPU each operation outside a compiled function launches
-    a kernel or more, so a step's count says, on any machine, how much it launches beside another step's. `take()`
-    gives the count since the last take."""
+    """Counts the operations of the graphs `mx.eval` evaluates while installed (`with GraphNodes() as nodes:`), as
+    `mx.export_to_dot` draws them: every operation an evaluation reaches that no earlier one computed (a compiled
+    function's call is one; the arrays computed before are inputs, not counted). On a GPU each operation outside a
+    compiled function launches a kernel or more, so a step's count says, on any machine, how much it launches
+    beside another step's. `take()` gives the count since the last take."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -379,3 +379,25 @@ def test_opening_bench_refuses_waves_it_cannot_open(tiny_checkpoint, capsys):
         with pytest.raises(SystemExit):
             opening.main(["llm", "--model", str(tiny_checkpoint), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_opening_bench_counts_the_nodes_each_step_evaluates(tiny_checkpoint, capsys):
+    """`--graph-nodes` counts the nodes each step evaluates (not the openings' own evaluations), in the JSON and as
+    the table's last column."""
+    from bench import opening
+    from bench.stages import GraphNodes
+
+    with GraphNodes() as nodes:  # a graph of known size: two evaluated inputs, then three operations
+        a, b = mx.array([1.0, 2.0]), mx.array([3.0, 4.0])
+        mx.eval(a, b)
+        nodes.take()
+        mx.eval((a + b) * 2)
+        assert nodes.take() == 3  # the add, the scalar's broadcast, the multiply (the inputs were computed before)
+    argv = ["tts", "--model", str(tiny_checkpoint), "--waves", "2,1", "--steps", "3", "--rounds", "2", "--stack-all",
+            "--graph-nodes"]
+    assert opening.main([*argv, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert len(steps) == 3 and all(step["graph_nodes"] > 100 for step in steps)
+    assert opening.main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].endswith("| excess | graph nodes |") and all(line.endswith(" |") for line in table[3:6])
