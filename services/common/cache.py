@@ -332,6 +332,26 @@ class LayerGroup:
             cache._keys = cache._values = cache._copied_from = None
             cache.group, cache._row = self, i * per
 
+    @classmethod
+    def of_batched(cls, cache: GroupedCache, per: int) -> list[GroupedCache]:
+        """A cache written for several sessions at once (per rows each, its own arrays, in no group) as those
+        sessions' caches, the members of a group whose arrays are its arrays: their next batched step takes them
+        as they are, where rows split from it (`split_rows`) would be stacked again piece by piece. Each member
+        holds what its rows hold, with the cache's counters."""
+        if cache.group is not None or cache._keys is None:
+            raise ValueError("only a cache holding keys of its own forms a group of its rows")
+        group = cls.__new__(cls)
+        members = []
+        for _ in range(cache._keys.shape[0] // per):
+            member = copy.copy(cache)
+            member._capacity, member._keys, member._values, member._copied_from = cache.capacity, None, None, None
+            members.append(member)
+        group.members, group.per = [weakref.ref(member) for member in members], per
+        group.keys, group.values, group._head_index = cache._keys, cache._values, None
+        for i, member in enumerate(members):
+            member.group, member._row = group, i * per
+        return members
+
     @staticmethod
     def can_form(caches: Sequence[GroupedCache]) -> bool:
         """Whether the caches can be stacked: every one holds keys, all of one dtype."""
@@ -737,10 +757,10 @@ class PooledState:
         """Hold row `row` of stacks[first], stacks[first + 1], ... as its state, read when first needed."""
         self._state, self._rows, self._copied_from = None, (stacks, first, row), None
 
-    def stacking(self) -> tuple[mx.array | None, ...]:
-        """Its state to stack into a batch: the arrays `copy` read while it holds their copies unchanged (copies
-        of one state then stack as that state tiled, one copy in all), else `state`."""
-        return self._copied_from or self.state
+    def copied_from(self) -> tuple[mx.array | None, ...] | None:
+        """The arrays `copy` read, while it holds their copies unchanged (copies of one state then stack as that
+        state tiled, one copy in all)."""
+        return self._copied_from
 
     def holds_rows(self, stacks: list[mx.array], first: int, row: int) -> bool:
         """Whether its state is still those rows (read or not), nothing having set it since."""
@@ -1055,9 +1075,9 @@ class StatePools:
             at = mx.array(rows)
             return Gathered(list(sessions), identity, None, [mx.take(stack, at, axis=0) for stack in pool.stacked],
                             pool, rows)
-        per_session = [[a for holder in self.holders(s) for a in holder.stacking()] for s in sessions]
-        return Gathered(list(sessions), identity, None, [stack_rows(parts) for parts in zip(*per_session,
-                                                                                            strict=True)])
+        pieces = _state_runs([list(self.holders(s)) for s in sessions])
+        return Gathered(list(sessions), identity, None, [parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+                                                         for parts in zip(*pieces, strict=True)])
 
     def scatter(self, batch: Gathered, states: list[mx.array]) -> list[mx.array]:
         """Hand the batch's new states back to its sessions (writing a taken batch's rows into its pool's
@@ -1073,12 +1093,51 @@ class StatePools:
         return states
 
 
-def stack_rows(parts: Sequence[mx.array]) -> mx.array:
-    """Arrays of one shape stacked on their first axis: one array repeated (states copied from one prompt's) tiled,
-    one copy in all; else concatenated."""
-    if len(parts) > 1 and all(part is parts[0] for part in parts):
-        return mx.tile(parts[0], (len(parts),) + (1,) * (parts[0].ndim - 1))
-    return mx.concatenate(parts, axis=0)
+def _state_runs(holders: list[list[PooledState]]) -> list[list[mx.array]]:
+    """Each session's state holders (in stack order) as pieces to stack, a piece per run of sessions: sessions
+    holding consecutive rows of one pool's stacks as those rows (one slice a stack), copies of one state as it
+    tiled, each other session its own arrays. A session whose holders hold rows of several pools, or whose copies
+    are of different states, is a piece of its own."""
+    runs: list[tuple[Hashable, list, int, int]] = []  # (kind and identity, stacks or source arrays, first row, count)
+    for own in holders:
+        kind = _held_rows(own)
+        if kind is not None:
+            stacks, row = kind
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == ("rows", id(stacks)) and row == last[2] + last[3]:
+                runs[-1] = (*last[:3], last[3] + 1)
+            else:
+                runs.append((("rows", id(stacks)), stacks, row, 1))
+            continue
+        sources = [holder.copied_from() for holder in own]
+        if all(source is not None for source in sources):
+            arrays = [a for source in sources for a in source]
+            key = ("copies", *map(id, arrays))
+            if runs and runs[-1][0] == key:
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+            else:
+                runs.append((key, arrays, 0, 1))
+            continue
+        runs.append((("own", id(own)), [a for holder in own for a in holder.state], 0, 1))
+    pieces = []
+    for key, arrays, first, count in runs:
+        if key[0] == "rows":
+            pieces.append([stack[first : first + count] for stack in arrays])
+        else:  # a session's own arrays, or `count` copies of one state
+            pieces.append([a if count == 1 else mx.tile(a, (count,) + (1,) * (a.ndim - 1)) for a in arrays])
+    return pieces
+
+
+def _held_rows(holders: list[PooledState]) -> tuple[list[mx.array], int] | None:
+    """(stacks, row) when the session's holders hold row `row` of one pool's stacks, in order, as it handed them."""
+    first = 0
+    held = holders[0]._rows if holders else None
+    for holder in holders:
+        rows = holder._rows
+        if held is None or rows is None or rows[0] is not held[0] or rows[1] != first or rows[2] != held[2]:
+            return None
+        first += holder.width
+    return (held[0], held[2]) if held is not None and first == len(held[0]) else None
 
 
 # ---- which entries batch together --------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_copies_of_one_state_stack_as_it_tiled_and_a_changed_copy_as_its_own(mon
 
     prompt = Holder((mx.array([[1.0, 2.0]]), mx.array([[3.0, 4.0, 5.0]])))
     sessions = [Session(k, [prompt.copy()]) for k in range(3)]
-    assert all(s.holders[0].stacking()[0] is prompt.state[0] for s in sessions)
+    assert all(s.holders[0].copied_from()[0] is prompt.state[0] for s in sessions)
     tiled = []
     real = mx.tile
     monkeypatch.setattr(cache.mx, "tile", lambda a, reps: tiled.append(reps) or real(a, reps))
@@ -208,13 +208,36 @@ def test_copies_of_one_state_stack_as_it_tiled_and_a_changed_copy_as_its_own(mon
     assert tiled == [(3, 1), (3, 1)]
     assert np.array(batch.states[1]).tolist() == [[3.0, 4.0, 5.0]] * 3
     pools.scatter(batch, [a + 1 for a in batch.states])
-    assert sessions[0].holders[0].stacking()[0] is not prompt.state[0]  # a pool's rows now
+    assert sessions[0].holders[0].copied_from() is None  # a pool's rows now
     assert _rows(sessions[2]) == [[2.0, 3.0], [4.0, 5.0, 6.0]] and np.array(prompt.state[0]).tolist() == [[1, 2]]
     changed = [Session(k, [prompt.copy()]) for k in range(3, 5)]
     changed[1].holders[0].state = (mx.array([[9.0, 9.0]]), mx.array([[9.0, 9.0, 9.0]]))
     tiled.clear()
     again = _pools().gather(changed)
     assert tiled == [] and np.array(again.states[0]).tolist() == [[1.0, 2.0], [9.0, 9.0]]
+
+
+def test_sessions_of_two_pools_stack_as_one_slice_of_each_pools_stacks(monkeypatch):
+    """Two pools' sessions batched together (a group joined by newcomers) stack each pool's consecutive rows as
+    one slice of its stacks, not a piece a session; the values are each session's own."""
+    from services.common import cache
+
+    pools, sessions = _pools(), _sessions(5)
+    for some in (sessions[:3], sessions[3:]):
+        batch = pools.gather(some)
+        pools.scatter(batch, [a * 10 for a in batch.states])
+    assert pools.settle([sessions]) == []  # both pools go; every session is in the batch, so no copies
+    pieces = []
+    real = mx.concatenate
+    monkeypatch.setattr(cache.mx, "concatenate", lambda parts, axis=0: pieces.append(len(parts)) or real(parts, axis))
+    batch = pools.gather(sessions)
+    assert pieces == [2, 2]  # per stack: the first pool's three rows, the second's two
+    assert np.array(batch.states[0]).tolist() == [[10.0 * k] * 2 for k in range(5)]
+    assert np.array(batch.states[1]).tolist() == [[10.0 * (10 + k)] * 3 for k in range(5)]
+    pieces.clear()
+    mixed = [sessions[0], sessions[3], sessions[1]]  # rows out of order: a piece a session
+    pools.gather(mixed)
+    assert pieces == [3, 3]
 
 
 def test_group_by_signature_keeps_groups_of_two_or_more_in_order():

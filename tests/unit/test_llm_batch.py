@@ -448,6 +448,43 @@ def test_sessions_opening_together_run_their_first_position_as_one_forward(engin
         engine.close_session(session)
 
 
+def test_first_positions_leave_a_group_and_a_pool_the_next_step_takes_as_they_are(engines, embeds, monkeypatch):
+    """Sessions that took their first position as one forward keep its arrays: each attention layer's as the
+    arrays of a group of their caches, the Mamba states as a pool's stacks; so their next batched step (the
+    GPU's grouping forced on) stacks and copies nothing, and gives each session its solo results."""
+    from services.common import cache
+    from services.common.cache import STACK_ALL, LayerGroup
+
+    engine = engines["dense"]
+    monkeypatch.setattr(engine, "prompts_kept", 0)
+    monkeypatch.setattr(engine, "stack_up_to", STACK_ALL)
+    expected = [_solo(engine, embeds, 1, 3) for _ in range(3)]
+    sessions = [_open(engine, 1) for _ in range(3)]
+    first = engine.step_batch([(s, _inputs(embeds, 1, 3)[0], True, 0) for s in sessions])
+    attention = engine.model.batched_step.attention_layers
+    for i in attention:
+        held = LayerGroup.holding([s.caches[i] for s in sessions])
+        assert held is not None and held[1] == [0, 1, 2] and held[0].keys.shape[0] == 3
+    (pool,) = engine._pools.pools.values()
+    assert pool.sessions == tuple(sessions) and pool.intact()
+    stacked = []
+
+    def spy(name):
+        real = getattr(cache, name)
+        return lambda *args: stacked.append(name) or real(*args)
+
+    for name in ("_runs", "_state_runs"):  # what stacks a group's caches, and a batch's states, piece by piece
+        monkeypatch.setattr(cache, name, spy(name))
+    rest = [engine.step_batch([(s, _inputs(embeds, 1, 3)[t], True, t) for s in sessions]) for t in (1, 2)]
+    assert stacked == []  # no state and no cache stacked again
+    for k, theirs in enumerate(expected):
+        mine = [first[k], rest[0][k], rest[1][k]]
+        assert [(o.text_id, o.function_id) for o in mine] == [(o.text_id, o.function_id) for o in theirs]
+        assert max(_max_diff(a, b) for a, b in zip(mine, theirs, strict=True)) <= LOGIT_TOLERANCE
+    for session in sessions:
+        engine.close_session(session)
+
+
 def test_grouped_attention_caches_give_every_session_its_solo_results_bit_for_bit(engines, embeds, monkeypatch):
     """With the GPU's grouping forced on: sessions that step together again write and read their attention
     caches as rows of one group per layer; through a tick one sits out (the others step as some of the group's
