@@ -768,7 +768,8 @@ class PooledState:
         return rows is not None and rows[0] is stacks and rows[1] == first and rows[2] == row
 
     def copy(self) -> PooledState:
-        """A state holding what this one holds in array objects of its own, outside any pool."""
+        """A state holding what this one holds in array objects of its own, outside any pool (remembering the
+        arrays it copied, `copied_from`)."""
         other = copy.copy(self)
         source = self.state
         other.state = tuple(None if a is None else mx.array(a) for a in source)
@@ -1059,8 +1060,8 @@ class StatePools:
 
     def gather(self, sessions: Sequence[Any]) -> Gathered:
         """The states of `sessions` (settled already) as the batch to run: a pool's stacks as they are (all its
-        sessions, or enough of them to run over all its rows), its rows of them taken, or each session's own
-        rows stacked."""
+        sessions, or enough of them to run over all its rows), its rows of them taken, or the sessions' states
+        stacked by the piece (`_state_runs`)."""
         keys = tuple(self.key(s) for s in sessions)
         identity = list(range(len(sessions)))
         pool = self.pools.get(keys)
