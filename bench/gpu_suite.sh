@@ -35,6 +35,9 @@
 #   long       (only when named in STEPS) one conversation of LONG_MINUTES (20) at LONG_PACE (burst), its
 #              services started with ONE_FLAGS: per-frame figures and every process's memory at LONG_AT
 #              minutes (1,5,10,20), each row printed as it is reached (bench.long_session)
+#   openings   (only when named in STEPS) perception, the language model and speech, each alone in its live
+#              configuration, meeting sessions that open in OPENING_WAVES (28,4): each step's time over three
+#              rounds and its evaluated graph's operations, the PTX cache empty (bench.opening --graph-nodes)
 # Knobs: PRESET, SESSIONS (16), AUDIO_SECONDS (10: audio per live conversation), PYTHON (python3),
 # SERVE_FLAGS (the services' flags for the live run, default the batched GPU configuration; EXTRA_SERVE_FLAGS
 # are added to them), STEPS (the steps to run, default "warmup stages sweep engines contention rtf rtf-flags
@@ -175,6 +178,15 @@ if wants long; then
   # shellcheck disable=SC2086  # ONE_FLAGS is a list of flags, $mps empty or one flag
   step long "$py" -m bench.long_session --model "$model" --minutes "${LONG_MINUTES:-20}" --pace "${LONG_PACE:-burst}" \
     --at "${LONG_AT:-1,5,10,20}" $one_flags $mps
+fi
+if wants openings; then
+  for name in perception llm tts; do
+    flags="--float32-weights" graphs=0  # as the live configuration starts each service
+    [ "$name" = llm ] && flags="--weights-dtype bfloat16 --float32-weights --split-matmuls" graphs=1
+    # shellcheck disable=SC2086  # a list of flags
+    step "openings-$name" env MLX_PTX_CACHE_DIR="$(mktemp -d)" MLX_USE_CUDA_GRAPHS=$graphs "$py" -m bench.opening \
+      "$name" --model "$model" --waves "${OPENING_WAVES:-28,4}" --steps 6 --rounds 3 --graph-nodes $flags
+  done
 fi
 wants live || { echo "== $(date +%T) done: logs in $out"; exit 0; }
 
