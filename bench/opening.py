@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps}: at least one step per wave ({len(args.waves)})")
     if args.rounds < 2:
         parser.error(f"--rounds {args.rounds}: at least 2 (the first is compared with the last)")
+    if args.stack_all and args.service not in ("tts", "llm"):
+        parser.error(f"--stack-all: only speech (tts) and the language model (llm) stack attention caches, not "
+                     f"{args.service}")
     process_settings()
     config = VoiceChatConfig.load(args.model)
     prompt = {"default": config.default_system_prompt, "none": ""}.get(args.system_prompt, args.system_prompt)

@@ -372,6 +372,10 @@ def test_opening_bench_opens_waves_and_sets_the_first_round_beside_the_last(tiny
 def test_opening_bench_refuses_waves_it_cannot_open(tiny_checkpoint, capsys):
     from bench import opening
 
+    with pytest.raises(SystemExit):
+        opening.main(["perception", "--model", str(tiny_checkpoint), "--stack-all"])
+    assert "--stack-all: only speech (tts) and the language model (llm)" in capsys.readouterr().err
+
     for argv, message in ((["--waves", "2,0"], "every wave opens at least one session"),
                           (["--waves", "two"], "expected comma-separated session counts"),
                           (["--waves", "1,1,1", "--steps", "2"], "at least one step per wave"),
