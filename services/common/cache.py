@@ -276,8 +276,9 @@ class GroupedCache(abc.ABC):
         return other
 
     def copied_from(self) -> tuple[mx.array, mx.array] | None:
-        """The keys and values it holds copies of, when `copy` made it and it has written nothing since."""
-        return self._copied_from if self.group is None else None
+        """The keys and values it holds copies of, when `copy` made it and it has written nothing since (joining a
+        group is a write: it holds the group's rows after)."""
+        return self._copied_from
 
     def split_rows(self) -> list[GroupedCache]:
         """A cache written for B sessions at once (its own arrays, in no group) as B caches of one row each, with
@@ -867,9 +868,8 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
         plans = group.plans(index)
         if plans is not None and all(plan.visible <= stack_up_to for plan in plans):
             return group.step(q, k, v, plans, scale, index)
-    elif _steps_as_group(caches, k, v, stack_up_to):  # stacked first, then one write for all, no write of each
-        group = LayerGroup(caches, per)
-        return group.step(q, k, v, group.plans(), scale)
+    elif (plans := _plans_as_group(caches, k, v, stack_up_to)) is not None:  # stacked first, then one write
+        return LayerGroup(caches, per).step(q, k, v, plans, scale)
     seen = [cache.update(k[i * per : (i + 1) * per], v[i * per : (i + 1) * per]) for i, cache in enumerate(caches)]
     lengths = [sk.shape[2] for sk, _ in seen]
     stacked = [i for i, n in enumerate(lengths) if n <= stack_up_to] if LayerGroup.can_form(caches) else []
@@ -889,15 +889,16 @@ def attend_sessions(q: mx.array, k: mx.array, v: mx.array, caches: Sequence[Grou
                            for i, (sk, sv) in enumerate(seen)], axis=0)
 
 
-def _steps_as_group(caches: Sequence[GroupedCache], k: mx.array, v: mx.array, stack_up_to: int) -> bool:
-    """Whether the caches, stacked into a group before their next key, take it as the group's step exactly as each
-    one's own update and the stack after it would: every one holds keys in the dtype of k and v (a grown buffer
-    keeps it either way), none drops keys (a multi-token append's leftovers, which only its own update drops), and
-    every one's view is stacked."""
+def _plans_as_group(caches: Sequence[GroupedCache], k: mx.array, v: mx.array,
+                    stack_up_to: int) -> list[Plan] | None:
+    """The caches' plans for their next key when, stacked into a group first, they take it as the group's step
+    exactly as each one's own update and the stack after it would (stacking changes no plan): every one holds
+    keys in the dtype of k and v (a grown buffer keeps it either way), none drops keys (a multi-token append's
+    leftovers, which only its own update drops), and every one's view is stacked. None otherwise."""
     if len(caches) < 2 or any(cache.dtypes() != (k.dtype, v.dtype) for cache in caches):
-        return False
+        return None
     plans = [cache.plan_one() for cache in caches]
-    return not any(plan.trim for plan in plans) and all(plan.visible <= stack_up_to for plan in plans)
+    return None if any(plan.trim or plan.visible > stack_up_to for plan in plans) else plans
 
 
 def _attend_stacked(q: mx.array, seen: list[tuple[mx.array, mx.array]], caches: Sequence[GroupedCache], per: int,

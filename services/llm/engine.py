@@ -586,15 +586,17 @@ class LanguageEngine:
                            axis=1)  # (B, 2): each row's greedy pair
             out = (text_logits, function_logits, ids)
         mx.eval(*out, [a for c in caches if c is not None for a in c.arrays()])
-        # several sessions keep the forward's arrays as they are: its attention caches as a group's, its states as
-        # a pool's, so their next batched step stacks nothing
+        # several sessions keep the forward's arrays as they are, so their next batched step stacks nothing: its
+        # attention caches as a group's arrays, its states as a pool's stacks (handed to empty holders)
+        states = [a for i in self.model.batched_step.mamba_layers for a in caches[i].state] if b > 1 else []
+        pooled = bool(states) and all(a is not None for a in states)
         rows = [[None] * b if c is None else LayerGroup.of_batched(c, 1) if b > 1 and isinstance(c, FullCache)
-                else c.split_rows() for c in caches]
+                else [MambaCache() for _ in range(b)] if pooled and isinstance(c, MambaCache) else c.split_rows()
+                for c in caches]
         for r, session in enumerate(sessions):
             session.caches = [layer[r] for layer in rows]
             session.positions += 1
-        states = [a for i in self.model.batched_step.mamba_layers for a in caches[i].state]
-        if b > 1 and all(a is not None for a in states):
+        if pooled:
             self._pools.scatter(Gathered(list(sessions), list(range(b)), None, states), states)
         if not heads:
             return _fed(sessions)
