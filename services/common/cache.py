@@ -65,6 +65,26 @@ def take_index(index: tuple[int, ...]) -> mx.array:
     return mx.array(index, dtype=mx.int32)
 
 
+def stack_rows(located: Sequence[tuple[mx.array, int]]) -> mx.array:
+    """B rows, each given as (a batched array, its index there) or (a (1, ...) row, 0) -> (B, ...), copying least:
+    the rows of one array in its order are that array, a run of them a view, anything else one concatenation of
+    the distinct arrays and one take."""
+    sources: list[mx.array] = []
+    offsets: dict[int, int] = {}
+    index = []
+    for source, b in located:
+        if id(source) not in offsets:
+            offsets[id(source)] = sum(a.shape[0] for a in sources)
+            sources.append(source)
+        index.append(offsets[id(source)] + b)
+    stacked = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=0)
+    if index == list(range(stacked.shape[0])):
+        return stacked
+    if index == list(range(index[0], index[0] + len(index))):  # a run of one batch's rows: a view
+        return stacked[index[0] : index[0] + len(index)]
+    return stacked[take_index(tuple(index))]
+
+
 class RowSources:
     """Which batched array each per-session row (a cache, a state, a random key) is a slice of, so the next
     batched step gathers the rows back with one copy per source array and one take, rather than one copy per
@@ -100,25 +120,14 @@ class RowSources:
 
     def gather(self, rows: list[mx.array], squeeze: bool = False) -> mx.array:
         """rows: B arrays (1, ...) (with squeeze, (...)) of one shape -> (B, ...)."""
-        sources: list[mx.array] = []
-        offsets: dict[int, int] = {}
-        index = []
+        located = []
         for row in rows:
             known = self._rows.get(id(row))
             if known is not None and known[0]() is row:
-                source, b = known[1], known[2]
+                located.append((known[1], known[2]))
             else:
-                source, b = (row[None] if squeeze else row), 0
-            if id(source) not in offsets:
-                offsets[id(source)] = sum(a.shape[0] for a in sources)
-                sources.append(source)
-            index.append(offsets[id(source)] + b)
-        stacked = sources[0] if len(sources) == 1 else mx.concatenate(sources, axis=0)
-        if index == list(range(stacked.shape[0])):
-            return stacked
-        if index == list(range(index[0], index[0] + len(index))):  # a run of one batch's rows: a view
-            return stacked[index[0] : index[0] + len(index)]
-        return stacked[take_index(tuple(index))]
+                located.append((row[None] if squeeze else row, 0))
+        return stack_rows(located)
 
     def source_of(self, row: mx.array) -> tuple[mx.array, int] | None:
         """The batched array `row` is a view of and its index there, when `split` made it."""

@@ -38,7 +38,7 @@ from services.perception.rnnt import (
     RNNTState,
     TextSoFar,
 )
-from services.perception.streaming import EncoderStream, begin_stacked, padding_mask
+from services.perception.streaming import CacheBatch, EncoderStream, begin_stacked, padding_mask, stacked_caches
 from services.perception.vocabulary import load_vocabulary, pieces_to_text
 
 PREFIXES = ("stt_model.perception.", "stt_model.rnnt_decoder.", "stt_model.rnnt_joint.")
@@ -340,24 +340,18 @@ class PerceptionEngine:
 
     def _step_batch(self, streams: list[PerceptionStream], window: mx.array, lo: int, hi: int) -> list[StreamFrame]:
         """window: (B, W, n_mels), row b the mel window of streams[b] (every counter already advanced)."""
-        rows = self._rows
         encoders = [s.encoder for s in streams]
-        n_layers = len(encoders[0].attn_caches)
-        conv = [rows.gather([e.conv_caches[n] for e in encoders]) for n in range(n_layers)]
         left = self.encoder.cfg.left_context
-        held = [e.attn_caches[0].shape[1] for e in encoders]  # frames each session's attention caches hold
+        held = [e.held for e in encoders]  # frames each session's attention caches hold
+        attn, conv = stacked_caches(encoders)  # caches still filling: padded at the front, as the last step left them
         if min(held) == left:
-            attn = [rows.gather([e.attn_caches[n] for e in encoders]) for n in range(n_layers)]
             h, attn, conv = self.encoder.compiled_stream_step(window, lo, hi, attn, conv)
-        else:  # some caches are still filling: padded at the front (as the last step left them), padding masked
-            padded = [e.padded_caches() for e in encoders]
-            attn = [rows.gather([p[n] for p in padded]) for n in range(n_layers)]
+        else:  # the padding masked
             h, attn, conv = self.encoder.compiled_padded_stream_step(window, lo, hi, attn, conv,
                                                                      padding_mask(held, left, hi - lo))
-        attn_rows, conv_rows = [rows.split(a) for a in attn], [rows.split(c) for c in conv]
+        batch = CacheBatch(attn, conv)  # the sessions' caches stay the batch's arrays: no row is made
         for b, e in enumerate(encoders):
-            e.keep_padded([r[b] for r in attn_rows], min(held[b] + hi - lo, left))
-            e.conv_caches = [r[b] for r in conv_rows]
+            e.join_batch(batch, b, min(held[b] + hi - lo, left))
         embedding = self.proj(h)  # (B, 1, hidden)
         rnnt = self.rnnt
         proposal = None
@@ -483,12 +477,10 @@ class PerceptionStream:
         return enc.pending is None or enc.pending.shape[1] == 0
 
     def held_rows(self) -> list[mx.array]:
-        """The cache arrays this session holds (the mel sample buffer, the encoder's mel and per-layer caches and
-        the LSTM state)."""
+        """The cache arrays this session holds of its own (the mel sample buffer, the encoder's mel cache, its
+        per-layer caches unless they are a batch's row, the LSTM state): what the engine's `RowSources` keep."""
         lstm = self.rnnt.lstm
-        enc = self.encoder
-        return [self.mel.samples, *((enc.mel_cache,) if enc.mel_cache is not None else ()), *enc.attn_caches,
-                *enc.padded_rows(), *enc.conv_caches, *((*lstm[0], *lstm[1]) if lstm else ())]
+        return [self.mel.samples, *self.encoder.own_arrays(), *((*lstm[0], *lstm[1]) if lstm else ())]
 
     def snapshot(self, since: Marks | None = None) -> State:
         """The session's whole state (`services.common.snapshot`): the mel stream's sample tail and counters, the

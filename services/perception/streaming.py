@@ -15,6 +15,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from services.common.cache import stack_rows
 from services.perception.conformer import NEG_INF, Conformer, subsampled_length
 
 # Mel frames kept for the subsampling window; covers the causal receptive field of the 8x stride stack.
@@ -28,21 +29,92 @@ def pad_while_filling() -> bool:
     return mx.default_device().type == mx.gpu
 
 
+class CacheBatch:
+    """The attention and conv caches of the encoders that took one batched step, kept as that step's arrays:
+    attention (B, left, 2D) per layer, each row padded at the front while its caches fill, and conv (B, kernel - 1,
+    D). The same encoders' next batched step takes these arrays as they are; an encoder's own rows (views) are
+    made only when something reads them (a snapshot, a step alone), so a batch that keeps stepping together makes
+    no row at all."""
+
+    __slots__ = ("attn", "conv")
+
+    def __init__(self, attn: list[mx.array], conv: list[mx.array]):
+        self.attn, self.conv = attn, conv
+
+
 class EncoderStream:
-    """Streaming conformer state; `push(mel)` returns the encoder frames that became available."""
+    """Streaming conformer state; `push(mel)` returns the encoder frames that became available.
+
+    Its attention and conv caches are its own arrays, or its row of a `CacheBatch` after a batched step
+    (`join_batch`): reading `attn_caches` then gives views of that row, and assigning them leaves the batch."""
 
     def __init__(self, encoder: Conformer, chunk_frames: int = 1):
         cfg = encoder.cfg
         self.encoder = encoder
         self.factor = cfg.subsampling_factor
         self.chunk_mel = chunk_frames * self.factor
-        self.attn_caches, self.conv_caches = encoder.empty_caches()
+        self._attn, self._conv = encoder.empty_caches()
+        self._batch: CacheBatch | None = None
+        self._row = 0  # its row of the batch
+        self._held = 0  # in a batch: the real frames of its attention rows (their last; the rest is padding)
+        self._views: tuple[list[mx.array], list[mx.array], list[mx.array]] | None = None  # of its row, once read
         self.mel_cache: mx.array | None = None  # (1, n, n_mels)
         # while the caches fill: (cache, the padded row it is the tail of) per layer, from the last padded step
         self._padded: list[tuple[mx.array, mx.array]] | None = None
         self.pending: mx.array | None = None
         self.consumed = 0  # mel frames pushed through the subsampler
         self.emitted = 0  # encoder frames produced
+
+    @property
+    def attn_caches(self) -> list[mx.array]:
+        """Per layer (1, held, 2D): the key and value projections of the last `held` frames."""
+        return self._attn if self._batch is None else self._batch_rows()[0]
+
+    @attn_caches.setter
+    def attn_caches(self, caches: list[mx.array]) -> None:
+        self._leave_batch()
+        self._attn = caches
+
+    @property
+    def conv_caches(self) -> list[mx.array]:
+        """Per layer (1, kernel - 1, D): the last GLU outputs."""
+        return self._conv if self._batch is None else self._batch_rows()[1]
+
+    @conv_caches.setter
+    def conv_caches(self, caches: list[mx.array]) -> None:
+        self._leave_batch()
+        self._conv = caches
+
+    @property
+    def held(self) -> int:
+        """The frames its attention caches hold (at most the left context)."""
+        return self._held if self._batch is not None else self._attn[0].shape[1]
+
+    def join_batch(self, batch: CacheBatch, row: int, held: int) -> None:
+        """Its caches are now row `row` of `batch`, of which the last `held` attention frames are real."""
+        self._batch, self._row, self._held, self._views, self._padded = batch, row, held, None, None
+
+    def batch_row(self) -> tuple[CacheBatch, int] | None:
+        """(its batch, its row there), while its caches are a batch's row."""
+        return None if self._batch is None else (self._batch, self._row)
+
+    def _batch_rows(self) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+        """Views of its row of the batch: (attention caches, conv caches, padded attention rows), made once."""
+        if self._views is None:
+            b, batch, left = self._row, self._batch, self.encoder.cfg.left_context
+            padded = [a[b : b + 1] for a in batch.attn]
+            attn = padded if self._held == left else [row[:, left - self._held :] for row in padded]
+            self._views = (attn, [c[b : b + 1] for c in batch.conv], padded)
+        return self._views
+
+    def _leave_batch(self) -> None:
+        """Hold its row's caches as its own arrays (views of the batch's), as a padded step alone leaves them."""
+        if self._batch is None:
+            return
+        attn, conv, padded = self._batch_rows()
+        self._attn, self._conv = attn, conv
+        self._padded = None if self._held == self.encoder.cfg.left_context else list(zip(attn, padded, strict=True))
+        self._batch = self._views = None
 
     def push(self, mel: mx.array) -> list[mx.array]:
         """mel: (1, k, n_mels) -> list of (1, c, d_model) encoder chunks. The last, possibly short, chunk of
@@ -79,7 +151,7 @@ class EncoderStream:
             self._padded = None
             return h
         left = encoder.cfg.left_context
-        held = self.attn_caches[0].shape[1]
+        held = self.held
         h, padded, self.conv_caches = encoder.compiled_padded_stream_step(
             window, lo, hi, self.padded_caches(), self.conv_caches, padding_mask([held], left, hi - lo))
         self.keep_padded(padded, min(held + hi - lo, left))
@@ -104,6 +176,8 @@ class EncoderStream:
     def padded_rows(self) -> list[mx.array]:
         """The rows the last padded step left, while the caches are still their tails ([] once the caches are
         full or another step replaced them)."""
+        if self._batch is not None:
+            return [] if self._held == self.encoder.cfg.left_context else self._batch_rows()[2]
         kept = self._padded
         if kept is None or any(cache is not tail for cache, (tail, _) in zip(self.attn_caches, kept, strict=True)):
             return []
@@ -111,7 +185,7 @@ class EncoderStream:
 
     @property
     def caches_full(self) -> bool:
-        return self.attn_caches[0].shape[1] == self.encoder.cfg.left_context
+        return self.held == self.encoder.cfg.left_context
 
     def begin_frame(self, mel: mx.array) -> tuple[mx.array, int, int] | None:
         """`push` of one chunk (mel: (1, k, n_mels), k <= chunk_mel, nothing pending) up to the encoder step:
@@ -158,8 +232,32 @@ class EncoderStream:
         return (self.mel_cache.shape[1], k, lo, hi, keep) if hi > lo else None
 
     def arrays(self) -> list[mx.array]:
-        """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames."""
-        return [a for a in (self.mel_cache, *self.attn_caches, *self.conv_caches) if a is not None]
+        """Every cache array, to evaluate at a frame boundary so graphs do not chain across frames (in a batch,
+        the batch's)."""
+        caches = (*self._attn, *self._conv) if self._batch is None else (*self._batch.attn, *self._batch.conv)
+        return [a for a in (self.mel_cache, *caches) if a is not None]
+
+    def own_arrays(self) -> list[mx.array]:
+        """The cache arrays it holds itself (no batch's): the mel cache, and its attention caches, padded rows and
+        conv caches unless they are a batch's row."""
+        own = [] if self._batch is not None else [*self._attn, *self.padded_rows(), *self._conv]
+        return [*((self.mel_cache,) if self.mel_cache is not None else ()), *own]
+
+
+def stacked_caches(streams: list[EncoderStream]) -> tuple[list[mx.array], list[mx.array]]:
+    """The streams' attention caches padded to the full left context (B, left, 2D) and conv caches (B, kernel - 1,
+    D) per layer, as one batched step takes them: the arrays of the batch they all are the rows of, in its order,
+    as they are; the rows of a run of one batch, a view; else one copy."""
+    rows = [s.batch_row() for s in streams]
+    padded = [None if row is not None else s.padded_caches() for s, row in zip(streams, rows, strict=True)]
+    conv = [None if row is not None else s.conv_caches for s, row in zip(streams, rows, strict=True)]
+
+    def layer(n: int, part: str, own: list) -> mx.array:
+        return stack_rows([(getattr(row[0], part)[n], row[1]) if row is not None else (mine[n], 0)
+                           for row, mine in zip(rows, own, strict=True)])
+
+    layers = range(len(streams[0].encoder.layers))
+    return [layer(n, "attn", padded) for n in layers], [layer(n, "conv", conv) for n in layers]
 
 
 def front_pad(cache: mx.array, length: int) -> mx.array:

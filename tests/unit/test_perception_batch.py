@@ -191,6 +191,43 @@ def test_filling_sessions_batched_again_take_the_padded_caches_their_last_step_l
     assert all(a.shape[1] == left for a in seen[0][0]) and not np.array(mx.concatenate(seen[0][0])).any()
 
 
+def test_sessions_stepping_together_keep_their_caches_as_the_batchs_arrays(engine, monkeypatch):
+    """Sessions whose caches are full, stepping together, hand each full step the last one's output arrays as
+    they are: no row is cut per session and layer, none stacked back. A session's caches read between two steps
+    (a snapshot) are its solo run's, and the read does not end that."""
+    audio = [_audio(engine, k) for k in range(3)]
+    read = FRAMES - 4
+    solo = _solo_caches(engine, audio[1], read)
+    seen = []
+    original = engine.encoder.compiled_stream_step
+
+    def spy(window, lo, hi, attn, conv):
+        out = original(window, lo, hi, attn, conv)
+        seen.append(((attn, conv), (out[1], out[2])))
+        return out
+
+    monkeypatch.setitem(engine.encoder.__dict__, "compiled_stream_step", spy)
+    streams = [engine.open_stream() for _ in audio]
+    cfg = engine.encoder.cfg
+    for f in range(FRAMES):
+        outs = engine.push_batch([(s, _frame(engine, a, f)) for s, a in zip(streams, audio, strict=True)])
+        assert len(outs) == 3
+        if f == read - 1:
+            snapshot = streams[1].snapshot()
+            mine = [snapshot[f"encoder.attn.{n}"] for n in range(len(engine.encoder.layers))]
+            for a, b in zip(mine, solo, strict=True):
+                assert a.shape == b.shape == (1, cfg.left_context, a.shape[2])
+                assert np.max(np.abs(np.array(a) - np.array(b))) <= TOL
+    assert len(seen) >= 6 and any(len(inputs[0]) for inputs, _ in seen)
+    for (inputs, _), (_, last) in zip(seen[1:], seen[:-1], strict=True):
+        assert all(a is b for a, b in zip([*inputs[0], *inputs[1]], [*last[0], *last[1]], strict=True))
+    # the engine's rows (RowSources) hold none of the encoder's attention or conv caches
+    layer_shapes = {a.shape[1:] for a in [*seen[-1][1][0], *seen[-1][1][1]]}
+    assert not any(batched.shape[1:] in layer_shapes for _, batched, _ in engine._rows._rows.values())
+    for a, stream in zip(audio, streams, strict=True):
+        assert stream.frame_index == FRAMES and stream.transcript == _solo(engine, a)[-1].transcript
+
+
 def _solo_caches(engine, audio: np.ndarray, frames: int = 16) -> list[mx.array]:
     stream = engine.open_stream()
     for f in range(frames):
