@@ -284,6 +284,9 @@ def test_matmul_bench_times_every_routed_shape_and_checks_it(tiny_checkpoint, ca
     step = result["step_ms"]["kernel"]["3"]
     assert step == pytest.approx(sum(e["count"] * e["ms"]["kernel"]["3"] for e in result["shapes"]))
     assert {1, 3} <= set(calls)
+    # at 1 row, per shape: timed in two places of the order (each an untimed call and 2 repeats), and the accuracy
+    # check's first and last rows alone at 3 rows
+    assert calls.count(1) == (2 * 3 + 2) * len(result["shapes"])
     lines = matmuls.table(result).splitlines()
     assert len(lines) == 2 + len(result["shapes"]) + 1 and lines[-1].startswith("| one step | ")
 
