@@ -21,8 +21,11 @@ x's rows its 8-row side; each lane loads 32 contiguous bytes of two weight rows 
 straight into the mma's registers (the k order inside a block is permuted alike on both sides), and splits its
 x elements into their parts as it loads them. The weight (N, K) is cut along K into `splits` ranges, a number
 set by its shape alone (`plan`), so that a narrow weight still spreads over the GPU; a second kernel adds the
-ranges' partial sums in order. Each output element is summed in one fixed order, so a row's result depends on
-neither the other rows nor their number: a session's row is the same in a batch of 16 as alone.
+ranges' partial sums in order. A batch of more than 16 rows takes several blocks for each stretch of the weight;
+those blocks are neighbours in the launch order (the grid's fastest axis; then the weight's stretches, then the
+ranges of K, the order a single row block has), so they run together and read the stretch from HBM once, the
+others finding it in L2. Each output element is summed in one fixed order, so a row's result depends on neither
+the other rows nor their number: a session's row is the same in a batch of 16 as alone.
 
     y = split_matmul(x, weight)   # x: (..., K) float32, weight: (N, K) bfloat16 -> (..., N) float32
 
@@ -82,10 +85,10 @@ __device__ __forceinline__ void split_parts(float4 v, unsigned (&p)[3][2]) {
 """
 
 # x (R, K) float32, w (N, K) bf16 -> part (S, R, N) float32: the sums over each of the S ranges of K.
-# Block (bx, s, bz): x rows 8 NT bz .. 8 NT bz + 8 NT - 1 (the mma's n side, NT tiles of 8); warp v of the grid
-# takes W rows 16 T v .. 16 T v + 16 T - 1 (the mma's m side, T tiles of 16) over K range s. Lane (g, t) loads
-# W rows g and g + 8 of each tile and x row g of each x tile, 16 contiguous elements of each 64-wide block of K,
-# so the mma's k order is a permutation of K's, the same for both sides.
+# Block (bx, by, s): x rows 8 NT bx .. 8 NT bx + 8 NT - 1 (the mma's n side, NT tiles of 8); warp v of the grid
+# (counted along y) takes W rows 16 T v .. 16 T v + 16 T - 1 (the mma's m side, T tiles of 16) over K range s.
+# Lane (g, t) loads W rows g and g + 8 of each tile and x row g of each x tile, 16 contiguous elements of each
+# 64-wide block of K, so the mma's k order is a permutation of K's, the same for both sides.
 _MATMUL_SOURCE = """
     const int R = x_shape[0];
     const int K = x_shape[1];
@@ -93,13 +96,13 @@ _MATMUL_SOURCE = """
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int s = blockIdx.y;
-    const int m0 = blockIdx.z * 8 * NT;
+    const int warp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int s = blockIdx.z;
+    const int m0 = blockIdx.x * 8 * NT;
     const int n0 = warp * T * 16;
     const int blocks = K >> 6;
-    const int first = (int)((long long)blocks * s / gridDim.y);
-    const int last = (int)((long long)blocks * (s + 1) / gridDim.y);
+    const int first = (int)((long long)blocks * s / gridDim.z);
+    const int last = (int)((long long)blocks * (s + 1) / gridDim.z);
     const __nv_bfloat16* wrow[T][2];
     #pragma unroll
     for (int tt = 0; tt < T; ++tt)
@@ -172,7 +175,7 @@ _MATMUL_SOURCE = """
     }
     // what K leaves past its 64-wide blocks, in 16-wide steps (the last range's): lane t holds elements
     // 4 t .. 4 t + 3 of each step
-    if (s == gridDim.y - 1) {
+    if (s == gridDim.z - 1) {
         for (int k16 = blocks << 6; k16 < K; k16 += 16) {
             const int k = k16 + (t << 2);
             uint2 wv[T][2];
@@ -287,7 +290,7 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     layout = plan(n, k, m)
     template = [("NT", layout.row_tiles), ("T", COLUMN_TILES), ("UNROLL", UNROLL)]
     part = _kernel("matmul")(inputs=[rows, weight], template=template,
-                             grid=(layout.blocks * BLOCK_WARPS * 32, layout.splits, -(-m // layout.rows)),
+                             grid=(-(-m // layout.rows) * BLOCK_WARPS * 32, layout.blocks, layout.splits),
                              threadgroup=(BLOCK_WARPS * 32, 1, 1), output_shapes=[(layout.splits, m, n)],
                              output_dtypes=[mx.float32])[0]
     if layout.splits == 1:
