@@ -17,11 +17,17 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
+from services.common.errors import out_of_memory
+
 T = TypeVar("T")
 
 
 class EngineThread:
-    """A single worker thread; jobs run one at a time in submission order and exceptions propagate."""
+    """A single worker thread; jobs run one at a time in submission order and exceptions propagate. A job that
+    ran the device out of memory first hands the process's buffer cache back to the device (`mx.clear_cache`), so
+    its memory serves this process's next step and the other processes on the device at once."""
 
     def __init__(self, name: str = "engine") -> None:
         self._ident: int | None = None
@@ -48,7 +54,7 @@ class EngineThread:
         """Queue fn(*args, **kwargs) on the engine thread; RuntimeError once closed."""
         if self._closed:
             raise RuntimeError("engine thread is closed")
-        return self._executor.submit(fn, *args, **kwargs)
+        return self._executor.submit(_job, fn, args, kwargs)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run fn on the engine thread and await its result. Cancelling the awaiting task does not stop a
@@ -85,11 +91,21 @@ class EngineThread:
         self.close()
 
 
+def _job(fn: Callable[..., T], args: tuple, kwargs: dict[str, Any]) -> T:
+    """On the engine thread: fn(*args, **kwargs), the buffer cache released when it ran the device out of memory."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        if out_of_memory(exc):
+            mx.clear_cache()
+        raise
+
+
 def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], fn: Callable[..., T], args: tuple,
             kwargs: dict[str, Any]) -> None:
     """On the engine thread: run fn and pass its result or exception to `future` on `loop`."""
     try:
-        result, error = fn(*args, **kwargs), None
+        result, error = _job(fn, args, kwargs), None
     except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting task
         result, error = None, exc
     try:

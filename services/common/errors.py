@@ -2,6 +2,7 @@
 
 ValueError         -> INVALID_ARGUMENT   bad input: wrong shape, sample rate, message order
 LimitExceeded      -> RESOURCE_EXHAUSTED a bound was passed: max_streaming_seconds, context length
+out of memory      -> RESOURCE_EXHAUSTED the device's memory ran out (`out_of_memory`)
 ServiceUnavailable -> UNAVAILABLE        still loading, shutting down, a dependency is down
 anything else      -> INTERNAL
 
@@ -22,6 +23,11 @@ EXIT_DEVICE_LOST = 3  # the exit code of a service whose device failed for good 
 _DEVICE_LOST = ("illegal memory access", "unspecified launch failure", "device-side assert", "misaligned address",
                 "illegal instruction", "uncorrectable ecc error", "hardware stack error", "gpu address fault",
                 "context is destroyed", "gpu has fallen off the bus")
+
+
+# What MLX's allocators and the CUDA runtime say when the device's memory ran out: that call fails, the device and
+# every other session on it are fine.
+_OUT_OF_MEMORY = ("out of memory", "unable to allocate", "insufficient memory")
 
 
 class LimitExceeded(Exception):
@@ -48,6 +54,21 @@ def device_lost(exc: BaseException) -> bool:
         return True
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(text in message for text in _DEVICE_LOST)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says an allocation on the device failed (this call's failure, not a lost device's).
+
+    >>> out_of_memory(RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    True
+    >>> out_of_memory(RuntimeError("[malloc] Unable to allocate 1073741824 bytes."))
+    True
+    >>> out_of_memory(RuntimeError("cudaGraphLaunch(...) failed: an illegal memory access was encountered"))
+    False
+    """
+    message = str(exc).lower()
+    return (isinstance(exc, RuntimeError) and not device_lost(exc)
+            and any(text in message for text in _OUT_OF_MEMORY))
 
 
 class BindError(OSError):

@@ -4,8 +4,8 @@ Every server gets the same furniture: `grpc.health.v1` (NOT_SERVING until the mo
 for "" and every service name), reflection, explicit message-size limits, graceful shutdown on SIGTERM/SIGINT,
 and one interceptor that maps domain exceptions to status codes, so servicer methods carry no try/except:
 
-    ValueError and an unparseable stream message -> INVALID_ARGUMENT, LimitExceeded -> RESOURCE_EXHAUSTED,
-    ServiceUnavailable -> UNAVAILABLE,
+    ValueError and an unparseable stream message -> INVALID_ARGUMENT, LimitExceeded and the device's memory running
+    out (`services.common.errors.out_of_memory`) -> RESOURCE_EXHAUSTED, ServiceUnavailable -> UNAVAILABLE,
     NotImplementedError -> UNIMPLEMENTED, anything else -> INTERNAL (logged with its traceback).
 
 A lost device (`services.common.errors.device_lost`: a sticky GPU fault) answers UNAVAILABLE, so the caller's
@@ -38,7 +38,15 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import BindError, DeviceLost, LimitExceeded, ServiceUnavailable, bind_error, device_lost
+from services.common.errors import (
+    BindError,
+    DeviceLost,
+    LimitExceeded,
+    ServiceUnavailable,
+    bind_error,
+    device_lost,
+    out_of_memory,
+)
 from services.common.metrics import Metrics
 from services.common.security import Tls, bearer_matches
 
@@ -72,6 +80,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if device_lost(exc):
         return grpc.StatusCode.UNAVAILABLE, (f"the service's device failed ({type(exc).__name__}: {exc}); the "
                                              "service is restarting: retry")
+    if out_of_memory(exc):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            f"the service ran out of device memory ({type(exc).__name__}: {exc}); it released its buffer cache. "
+            "Serve fewer conversations on this device, or give the services a smaller --cache-limit-mb")
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, message
     if isinstance(exc, NotImplementedError):
@@ -94,6 +106,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, metrics: Met
             on_device_lost(exc)
     elif code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in a servicer method")
+    elif out_of_memory(exc):
+        log.warning("%s: %s", code.name, message)
     else:
         log.info("%s: %s", code.name, message)
     await context.abort(code, message)

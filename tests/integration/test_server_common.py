@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +32,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Q, SAMPLES_PER_FRAME = 4, 8
 LOST = -77  # a first code the fake decoder meets with the device fault below
+FULL = -78  # a first code the fake decoder meets with the device's memory running out, as MLX's CUDA backend says it
+OUT_OF_MEMORY = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 # as MLX's CUDA backend reported one on an H100 (the codec, out of memory just before)
 DEVICE_FAULT = ("cudaGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: an illegal memory access was "
                 "encountered")
@@ -41,6 +44,7 @@ class FakeCodecEngine:
 
     def __init__(self):
         self.thread_ids = []
+        self.cached_at_failure = None  # the buffer cache's bytes when the device's memory ran out
 
     def encode(self, waveform: np.ndarray) -> np.ndarray:
         self.thread_ids.append(threading.get_ident())
@@ -56,9 +60,18 @@ class FakeCodecEngine:
             raise ValueError(f"codes must have shape ({Q},), got {codes.shape}")
         if codes[0] == LOST:
             raise RuntimeError(DEVICE_FAULT)
+        if codes[0] == FULL:
+            self.cached_at_failure = leave_buffers_cached()
+            raise RuntimeError(OUT_OF_MEMORY)
         if codes[0] < 0:
             raise RuntimeError("decoder exploded")
         return np.full(SAMPLES_PER_FRAME, codes.sum(), np.float32)
+
+
+def leave_buffers_cached() -> int:
+    """Evaluate and drop a 4 MB array, so MLX's buffer cache holds it; the cache's bytes then."""
+    mx.eval(mx.ones((1 << 20,), mx.float32) + 1)
+    return mx.get_cache_memory()
 
 
 class FakeCodecServicer(codec_pb2_grpc.CodecServiceServicer):
@@ -362,6 +375,50 @@ def test_message_size_limit_is_enforced():
             await stub.Encode(encode_request(800))  # the server is still fine
 
     asyncio.run(main())
+
+
+def test_a_step_that_runs_the_device_out_of_memory_answers_resource_exhausted_and_frees_the_cache():
+    async def main():
+        async with codec_server() as (_, channel, servicer):
+            call = codec_pb2_grpc.CodecServiceStub(channel).DecodeStream(
+                iter([OPEN, frame(0, [1, 2, 3, 4]), frame(1, [FULL, 0, 0, 0])]))
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for response in call:
+                    received.append(response)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details().startswith(
+                f"the service ran out of device memory (RuntimeError: {OUT_OF_MEMORY}); it released its buffer cache")
+            assert [r.WhichOneof("payload") for r in received] == ["opened", "frame"]
+            # the server still serves: a new stream decodes
+            again = codec_pb2_grpc.CodecServiceStub(channel).DecodeStream(iter([OPEN, frame(0, [1, 1, 1, 1])]))
+            assert len([r async for r in again]) == 2
+            return servicer.engine.cached_at_failure
+
+    assert asyncio.run(main()) >= 4 << 20
+    assert mx.get_cache_memory() == 0
+
+
+def test_the_engine_thread_releases_the_buffer_cache_when_the_device_runs_out_of_memory():
+    def fails():
+        leave_buffers_cached()
+        raise RuntimeError(OUT_OF_MEMORY)
+
+    def fails_otherwise():
+        leave_buffers_cached()
+        raise RuntimeError("decoder exploded")
+
+    with EngineThread() as engine:
+        with pytest.raises(RuntimeError, match="decoder exploded"):
+            engine.submit_sync(fails_otherwise)
+        assert mx.get_cache_memory() >= 4 << 20  # another failure leaves the cache as it is
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.submit_sync(fails)
+        assert mx.get_cache_memory() == 0
+        engine.submit_sync(leave_buffers_cached)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            asyncio.run(engine.run(fails))
+        assert mx.get_cache_memory() == 0
 
 
 def test_engine_work_runs_on_one_thread():
