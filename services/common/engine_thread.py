@@ -17,8 +17,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import mlx.core as mx
-
 from services.common.errors import out_of_memory
 
 T = TypeVar("T")
@@ -97,6 +95,8 @@ def _job(fn: Callable[..., T], args: tuple, kwargs: dict[str, Any]) -> T:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
         if out_of_memory(exc):
+            import mlx.core as mx  # here only: the orchestrator's threads (batching) run no MLX and load none
+
             mx.clear_cache()
         raise
 
