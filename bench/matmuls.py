@@ -98,21 +98,21 @@ def measure(model: Path, rows: list[int], repeats: int, against: Product | None)
     for shape, weight in sorted(weights.items()):
         weight32 = weight.astype(mx.float32)
         mx.eval(weight32)
+        operands = {name: weight32 if name == "float32" else weight for name in products}
         entry = {"n": shape[0], "k": shape[1], "count": counts[shape], "ms": {}, "tb_per_s": {}, "error": {},
                  "alone_equal": {}}
         for m in rows:
             x = mx.array(rng.standard_normal((m, shape[1])).astype(np.float32))
             names = list(products)
             for name in names + names[::-1]:  # each timed once in each place of the order; the lower kept
-                w = weight32 if name == "float32" else weight
+                w = operands[name]
                 ms = min(timed(products[name], x, w, repeats), entry["ms"].get(name, {}).get(str(m), math.inf))
                 entry["ms"].setdefault(name, {})[str(m)] = ms
                 entry["tb_per_s"].setdefault(name, {})[str(m)] = shape[0] * shape[1] * w.itemsize / ms / 1e9
             if m == max(rows):
                 for name, product in products.items():
-                    w = weight32 if name == "float32" else weight
-                    entry["error"][name], entry["alone_equal"][name] = accuracy(product, x, w)
-        del weight32
+                    entry["error"][name], entry["alone_equal"][name] = accuracy(product, x, operands[name])
+        del weight32, operands
         mx.clear_cache()
         shapes.append(entry)
     step = {name: {str(m): sum(e["count"] * e["ms"][name][str(m)] for e in shapes) for m in rows}

@@ -249,6 +249,10 @@ def stacked_caches(streams: list[EncoderStream]) -> tuple[list[mx.array], list[m
     D) per layer, as one batched step takes them: the arrays of the batch they all are the rows of, in its order,
     as they are; the rows of a run of one batch, a view; else one copy."""
     rows = [s.batch_row() for s in streams]
+    first = rows[0]
+    if first is not None and len(first[0].attn[0]) == len(rows) and all(
+            row is not None and row[0] is first[0] and row[1] == b for b, row in enumerate(rows)):
+        return list(first[0].attn), list(first[0].conv)  # the batch's sessions in its order: one check, not a layer's
     padded = [None if row is not None else s.padded_caches() for s, row in zip(streams, rows, strict=True)]
     conv = [None if row is not None else s.conv_caches for s, row in zip(streams, rows, strict=True)]
 
