@@ -1,8 +1,8 @@
 """The command line shared by the services' `__main__`:
 
     python -m services.codec --model DIR [--host H] [--port N] [--max-message-mb M] [--drain-seconds S]
-                             [--cache-limit-mb MB] [--memory-limit-mb MB] [--log-level L] [--metrics-port N]
-                             [--metrics-host H]
+                             [--cache-limit-mb MB] [--memory-limit-mb MB] [--device-headroom-mb MB]
+                             [--log-level L] [--metrics-port N] [--metrics-host H]
 
 --model defaults to $VOICECHAT_MODEL, else the demo checkpoint (tiny, random weights; see orchestrator.model).
 Once the model has loaded and health says SERVING, the process prints `listening on HOST:PORT` (flushed) to
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
+from services.common.device_memory import Headroom
 from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
@@ -151,6 +152,16 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "until its queued work completes; it is a guideline: a step that needs more still gets it",
     )
     parser.add_argument(
+        "--device-headroom-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="keep this many MiB of the device free for its other processes: while the device's free memory is "
+        "under it, this service hands its buffer cache back before it allocates more (services.common."
+        f"device_memory; default the '{SHARED}' cache size, a 1/{SHARED_CACHE_SHARE} share of the device at most "
+        f"{SHARED_CACHE_CAP_MB} MiB; 0: off). Only where the device reports its free memory (CUDA GPUs)",
+    )
+    parser.add_argument(
         "--step-log",
         type=Path,
         default=None,
@@ -225,6 +236,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         parser.error(f"--cache-limit-mb {args.cache_limit_mb}: must be zero or more")
     if args.memory_limit_mb is not None and not 0 < args.memory_limit_mb < 2**40:
         parser.error(f"--memory-limit-mb {args.memory_limit_mb}: must be more than zero")
+    if args.device_headroom_mb is not None and not 0 <= args.device_headroom_mb < 2**40:
+        parser.error(f"--device-headroom-mb {args.device_headroom_mb}: must be zero or more")
     return args
 
 
@@ -268,6 +281,16 @@ def apply_memory_limit(limit_mb: float | None) -> None:
         import mlx.core as mx
 
         mx.set_memory_limit(int(limit_mb * (1 << 20)))
+
+
+def keep_device_headroom(headroom_mb: float | None, memory_limit_mb: float | None) -> Headroom | None:
+    """Start keeping `headroom_mb` (None: the shared cache size; 0: none) of the device free for its other
+    processes (`Headroom`), under an explicit --memory-limit-mb; None where there is nothing to keep."""
+    if headroom_mb == 0:
+        return None
+    if headroom_mb is None:
+        headroom_mb = shared_cache_limit_mb()
+    return Headroom(headroom_mb, memory_limit_mb).start()
 
 
 def configure_logging(level: str) -> None:
@@ -332,6 +355,7 @@ def run_service(
     configure_logging(args.log_level)
     apply_cache_limit(args.cache_limit_mb)
     apply_memory_limit(args.memory_limit_mb)
+    headroom = keep_device_headroom(args.device_headroom_mb, args.memory_limit_mb)
     spec: ServiceSpec | None = None
     exposition: MetricsServer | None = None
     try:
@@ -376,6 +400,8 @@ def run_service(
     finally:
         if exposition is not None:
             exposition.stop()
+        if headroom is not None:
+            headroom.stop()
         if spec is not None and spec.close is not None:
             spec.close()
     return 0

@@ -1,0 +1,124 @@
+"""Headroom on a device several services share: each frees its buffer cache before the device is full.
+
+MLX's allocator gives a process a memory limit of about the whole device (95% on CUDA) and frees the process's
+buffer cache only when its own arrays and cache pass that limit. Four services on one GPU never get there each,
+so none frees its cache for another's allocation: the caches (up to `--cache-limit-mb` each) sit unused while a
+growing service runs the device out of memory.
+
+`Headroom` keeps the process's MLX memory limit at what the device has left for it: its own arrays and cache
+plus the device's free memory, less a headroom kept for the others. When the device's free memory falls under
+the headroom, the limit falls under the process's arrays and cache, and the allocator releases cached buffers
+before it allocates more (and an evaluation past the limit waits for queued work, which frees its
+temporaries). A background thread refreshes the limit every `period_s`; it never goes under the arrays the
+process holds (a limit there would only slow each step, not free memory), nor over an explicit
+`--memory-limit-mb`.
+
+A device that does not report its free memory (the CPU; Apple silicon's unified memory) leaves the limit as it
+is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIB = 1 << 20
+DEFAULT_PERIOD_S = 0.05
+
+
+@dataclass(frozen=True)
+class Counters:
+    """One reading: the device's free bytes and this process's MLX active and cached bytes."""
+
+    free: int
+    active: int
+    cache: int
+
+
+def memory_limit(reading: Counters, headroom: int, ceiling: int | None = None) -> int:
+    """The MLX memory limit that keeps `headroom` bytes of the device free for other processes: this process's
+    arrays and cache plus the device's free memory, less the headroom; never under the arrays it holds, never
+    over `ceiling` (an explicit limit)."""
+    limit = max(reading.active, reading.active + reading.cache + reading.free - headroom)
+    return limit if ceiling is None else min(limit, ceiling)
+
+
+def read_counters() -> Counters | None:
+    """The device's free memory and this process's MLX counters; None where the device does not report its free
+    memory."""
+    import mlx.core as mx
+
+    try:
+        free = mx.device_info().get("free_memory")
+    except RuntimeError:
+        return None
+    if not isinstance(free, int):
+        return None
+    return Counters(free, mx.get_active_memory(), mx.get_cache_memory())
+
+
+def _set_limit(limit: int) -> None:
+    import mlx.core as mx
+
+    mx.set_memory_limit(limit)
+
+
+class Headroom:
+    """The background thread that keeps this process's MLX memory limit at its share of a shared device (see the
+    module's docstring). `start()` returns None where the device does not report its free memory."""
+
+    def __init__(self, headroom_mb: float, ceiling_mb: float | None = None, period_s: float = DEFAULT_PERIOD_S,
+                 read: Callable[[], Counters | None] = read_counters,
+                 set_limit: Callable[[int], None] = _set_limit) -> None:
+        self.headroom = int(headroom_mb * MIB)
+        self.ceiling = None if ceiling_mb is None else int(ceiling_mb * MIB)
+        self.period_s = period_s
+        self._read = read
+        self._set_limit = set_limit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.limit: int | None = None  # the last limit set
+        self.short = False  # whether the device's free memory was under the headroom at the last reading
+
+    def refresh(self) -> int | None:
+        """Read the counters and set the limit when it changed; the limit, or None where nothing is reported."""
+        reading = self._read()
+        if reading is None:
+            return None
+        limit = memory_limit(reading, self.headroom, self.ceiling)
+        short = reading.free < self.headroom
+        if short and not self.short:
+            logging.getLogger(__name__).warning(
+                "the device has %.0f MiB free, under the %.0f MiB headroom: this service hands back its buffer "
+                "cache (%.0f MiB) as it allocates", reading.free / MIB, self.headroom / MIB, reading.cache / MIB)
+        self.short = short
+        if limit != self.limit:
+            self._set_limit(limit)
+            self.limit = limit
+        return limit
+
+    def start(self) -> Headroom | None:
+        """Set the limit now and keep it fresh on a daemon thread; None (no thread) where the device reports no
+        free memory."""
+        if self.refresh() is None:
+            return None
+        logging.getLogger(__name__).info("device headroom: %.0f MiB kept free for the device's other processes",
+                                         self.headroom / MIB)
+        self._thread = threading.Thread(target=self._run, name="device-headroom", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a failed reading keeps the last limit; the service goes on
+                logging.getLogger(__name__).exception("device headroom: reading the device's memory failed")
+                self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
