@@ -239,13 +239,16 @@ class EngineDriver:
         self._done[id(session)] = 0
         return session
 
-    def step(self, sessions: list) -> None:
-        """One batched step of `sessions`; the first entry's error, if any, is raised."""
-        errors = [r for r in self._batch(sessions) if isinstance(r, BaseException)]
+    def step(self, sessions: list) -> list:
+        """One batched step of `sessions`, each session's output in order; the first entry's error, if any, is
+        raised."""
+        results = self._batch(sessions)
+        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
         for session in sessions:
             self._done[id(session)] += 1
+        return results
 
     def close(self, sessions: list) -> None:
         """Done with `sessions`: what the engine holds of them is freed."""

@@ -22,6 +22,7 @@ from services.codec.codec import PREFIX, Codec, DecodeState
 from services.common.batching import raise_first
 from services.common.cache import RowSources
 from services.common.checkpoint import Checkpoint
+from services.common.device_memory import evaluate
 from services.common.errors import LimitExceeded
 from services.common.kept import kept
 from services.common.snapshot import Marks, Snapshot, State
@@ -191,7 +192,7 @@ class CodecEngine:
         frame = mx.array(np.stack([codes[position] for position in order]))[:, None]  # (B, 1, Q)
         samples, tails, spec = codec.compiled_stream_step(frame, context[:-2], (context[-2], context[-1]))
         rows = list(zip(*(self._rows.split(array) for array in (*tails, *spec)), strict=True))
-        mx.eval(samples, *tails, *spec)
+        evaluate(samples, *tails, *spec)
         host = np.array(samples)
         results: list[np.ndarray | None] = [None] * len(streams)
         for r, position in enumerate(order):
@@ -288,6 +289,6 @@ class DecodeStream:
             state.block_tails = dict(zip(codec.decoder_blocks, tails, strict=True))
             state.frames_decoded += 1
             samples = samples[0]
-        mx.eval(samples, *state.arrays())
+        evaluate(samples, *state.arrays())
         self.next_frame += 1
         return np.array(samples)

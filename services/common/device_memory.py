@@ -15,6 +15,11 @@ process holds (a limit there would only slow each step, not free memory), nor ov
 
 A device that does not report its free memory (the CPU; Apple silicon's unified memory) leaves the limit as it
 is.
+
+`evaluate` is the engines' `mx.eval` of a step: when the device runs out of memory during it, the process's
+buffer cache goes back to the device and the evaluation runs once more. MLX leaves a failed evaluation
+resumable (what it had evaluated stays evaluated, its queued work flushed; the rest keeps its graph), so the
+second evaluation completes the same step, not another one; the step's sessions go on as if nothing happened.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from services.common.errors import out_of_memory
 
 MIB = 1 << 20
 DEFAULT_PERIOD_S = 0.05
@@ -122,3 +129,21 @@ class Headroom:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def evaluate(*arrays) -> None:
+    """`mx.eval(*arrays)`, run once more after the process's buffer cache went back to the device when the first
+    evaluation ran it out of memory (see the module's docstring); a second failure propagates."""
+    import mlx.core as mx
+
+    try:
+        mx.eval(*arrays)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        cached = mx.get_cache_memory()
+        mx.clear_cache()
+        logging.getLogger(__name__).warning(
+            "a step ran the device out of memory (%s); running it once more after handing back the buffer cache "
+            "(%.0f MiB)", exc, cached / MIB)
+        mx.eval(*arrays)

@@ -36,6 +36,7 @@ from services.common.cache import (
 )
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
+from services.common.device_memory import evaluate
 from services.common.errors import LimitExceeded
 from services.common.kept import kept
 from services.common.layers import Linear, widen
@@ -104,7 +105,7 @@ class LanguageSession:
             text_logits, function_logits = self.model.heads(hidden)
             ids = self.model.greedy(text_logits, function_logits)
             self.positions += 1
-            mx.eval(self.history[-1], text_logits, function_logits, ids)
+            evaluate(self.history[-1], text_logits, function_logits, ids)
             return text_logits[0, -1], function_logits[0, -1], ids
         if self.positions == 0:  # the caches are empty: the plain path creates their state
             hidden = self.model.backbone(self.model.fuse(self.prev_text, audio, self.prev_function), self.caches)
@@ -117,10 +118,10 @@ class LanguageSession:
         self.positions += 1
         state = [a for c in self.caches if c is not None for a in c.arrays()]
         if not want_heads:
-            mx.eval(state)
+            evaluate(state)
             return None
         text_logits, function_logits, ids = out
-        mx.eval(state, text_logits, function_logits, ids)
+        evaluate(state, text_logits, function_logits, ids)
         return text_logits[0, -1], function_logits[0, -1], ids
 
     def prefill(self, embeddings: mx.array) -> None:
@@ -585,7 +586,7 @@ class LanguageEngine:
             ids = mx.stack([mx.argmax(text_logits[:, -1], axis=-1), mx.argmax(function_logits[:, -1], axis=-1)],
                            axis=1)  # (B, 2): each row's greedy pair
             out = (text_logits, function_logits, ids)
-        mx.eval(*out, [a for c in caches if c is not None for a in c.arrays()])
+        evaluate(*out, [a for c in caches if c is not None for a in c.arrays()])
         # several sessions keep the forward's arrays as they are, so their next batched step stacks nothing: its
         # attention caches as a group's arrays, its states as a pool's stacks (handed to empty holders)
         states = [a for i in self.model.batched_step.mamba_layers for a in caches[i].state] if b > 1 else []
@@ -621,7 +622,7 @@ class LanguageEngine:
             return []
         to_eval = self._pools.settle([[step[0] for step in steps] for steps in groups])
         finishes = [self._step_group(steps, to_eval, heads) for steps in groups]
-        mx.eval(to_eval)
+        evaluate(to_eval)
         return [finish() for finish in finishes]
 
     def _step_group(self, steps: list[Step], to_eval: list[mx.array], heads: bool = True):

@@ -25,6 +25,7 @@ from services.common.batching import raise_first
 from services.common.cache import RowSources, group_by_signature
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
+from services.common.device_memory import evaluate
 from services.common.layers import Linear, route_split_matmuls, widen
 from services.common.loading import AS_STORED, LoadOptions
 from services.common.snapshot import Marks, Snapshot, State, numbered
@@ -359,7 +360,7 @@ class PerceptionEngine:
             proposal = rnnt.begin_batch([s.rnnt for s in streams], h, self._lstm_rows(streams))
         outputs = [(embedding[b, 0], h[b, 0]) for b in range(len(streams))]
         # the batch's one evaluation: every output, every cache and the first greedy RNNT steps together
-        mx.eval(*(a for pair in outputs for a in pair), *attn, *conv,
+        evaluate(*(a for pair in outputs for a in pair), *attn, *conv,
                 *(a for s in streams for a in (*s.mel.arrays(), s.encoder.mel_cache)),
                 *(proposal.arrays() if proposal is not None else ()))
         transcripts = self._finish_batch(streams, proposal) if rnnt.vocabulary else [([], "")] * len(streams)
@@ -553,7 +554,7 @@ class PerceptionStream:
         rnnt = self.engine.rnnt
         proposal = rnnt.begin_frame(self.rnnt, encoded) if rnnt.vocabulary else None
         # the frame's one evaluation: outputs, every cache and the first greedy RNNT steps together
-        mx.eval(embedding, encoder_out, *self.mel.arrays(), *self.encoder.arrays(),
+        evaluate(embedding, encoder_out, *self.mel.arrays(), *self.encoder.arrays(),
                 *(proposal.arrays() if proposal is not None else ()))
         emitted, delta = rnnt.finish_transcript(self.rnnt, proposal) if rnnt.vocabulary else ([], "")
         out = StreamFrame(self.frame_index, embedding, encoder_out, delta, self.rnnt.so_far(), emitted)

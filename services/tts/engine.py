@@ -40,6 +40,7 @@ from services.common.cache import (
 )
 from services.common.checkpoint import Checkpoint
 from services.common.config import VoiceChatConfig
+from services.common.device_memory import evaluate
 from services.common.errors import LimitExceeded
 from services.common.kept import kept
 from services.common.layers import Linear, route_split_matmuls, widen
@@ -319,7 +320,7 @@ class TTSEngine:
         keys = take_batch([s.rng for s in sessions], self.model.draws, self._rows)
         codes, both = self._compiled_step(previous, self.text_rows(ids), [s.caches for s in sessions], keys,
                                           self.stack_up_to)
-        mx.eval(codes, both)
+        evaluate(codes, both)
         rows = np.array(both, dtype=np.int32)
         for session, row in zip(sessions, self._rows.split(codes), strict=True):
             session.previous = row
