@@ -33,6 +33,9 @@ from services.common.errors import out_of_memory
 
 MIB = 1 << 20
 DEFAULT_PERIOD_S = 0.05
+# Steps of this process whose evaluation ran the device out of memory: `recovered` completed when run once more,
+# `failed` ran out again (voicechat_out_of_memory_steps_total{service,outcome}).
+OUT_OF_MEMORY_STEPS = {"recovered": 0, "failed": 0}
 
 
 @dataclass(frozen=True)
@@ -146,4 +149,10 @@ def evaluate(*arrays) -> None:
         logging.getLogger(__name__).warning(
             "a step ran the device out of memory (%s); running it once more after handing back the buffer cache "
             "(%.0f MiB)", exc, cached / MIB)
-        mx.eval(*arrays)
+        try:
+            mx.eval(*arrays)
+        except RuntimeError as again:
+            if out_of_memory(again):
+                OUT_OF_MEMORY_STEPS["failed"] += 1
+            raise
+        OUT_OF_MEMORY_STEPS["recovered"] += 1

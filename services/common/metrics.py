@@ -11,6 +11,10 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_batch_size{service}                 histogram: sessions per batched engine step (network services)
     voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
                                                   `cache` freed but kept for reuse, `peak` active since start
+    voicechat_out_of_memory_steps_total{service,outcome}
+                                                  counter: engine steps that ran the device out of memory
+                                                  (network services): `recovered` when run once more after the
+                                                  buffer cache went back, `failed` when that ran out too
 
 The orchestrator's duplex latency, per audio frame sent to a client against a live microphone's schedule (the
 definitions are in orchestrator/latency.py):
@@ -45,7 +49,9 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from services.common.errors import BindError
 
@@ -122,6 +128,7 @@ class Metrics:
                            "most ever active", ["service", "kind"], registry=self.registry)
             for kind, read in _memory_readers().items():
                 memory.labels(service, kind).set_function(read)
+            self.registry.register(_OutOfMemorySteps(service))
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
@@ -213,6 +220,25 @@ def _memory_readers() -> dict[str, Callable[[], float]]:
 
     return {"active": lambda: float(mx.get_active_memory()), "cache": lambda: float(mx.get_cache_memory()),
             "peak": lambda: float(mx.get_peak_memory())}
+
+
+class _OutOfMemorySteps(Collector):
+    """voicechat_out_of_memory_steps_total: the process's counts (`device_memory.OUT_OF_MEMORY_STEPS`) when
+    scraped."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    def collect(self):
+        from services.common.device_memory import OUT_OF_MEMORY_STEPS
+
+        family = CounterMetricFamily("voicechat_out_of_memory_steps", "Engine steps whose evaluation ran the "
+                                     "device out of memory: 'recovered' completed when run once more after the "
+                                     "buffer cache went back to the device, 'failed' ran out again (their calls "
+                                     "answered RESOURCE_EXHAUSTED)", labels=["service", "outcome"])
+        for outcome, count in OUT_OF_MEMORY_STEPS.items():
+            family.add_metric([self.service, outcome], count)
+        yield family
 
 
 class _Handler(WSGIRequestHandler):

@@ -13,6 +13,7 @@ import pytest
 from bench.service import EngineDriver
 from services.common import device_memory
 from services.common.config import VoiceChatConfig
+from services.common.metrics import Metrics
 
 OUT_OF_MEMORY = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 SESSIONS = 3
@@ -76,6 +77,9 @@ def run(name: str, model, failing: FailingEval | None, fail_at: set[int]) -> lis
 @pytest.mark.parametrize("name", ["perception", "llm", "tts", "codec"])
 def test_a_step_that_ran_out_of_memory_runs_again_and_gives_what_it_would_have(name, tiny_checkpoint, monkeypatch,
                                                                                caplog):
+    metrics = Metrics(name)
+    before = {outcome: metrics.value("voicechat_out_of_memory_steps_total", outcome=outcome)
+              for outcome in ("recovered", "failed")}
     expected = run(name, tiny_checkpoint, None, set())
     failing = FailingEval()
     monkeypatch.setattr(mx, "eval", failing)
@@ -83,6 +87,8 @@ def test_a_step_that_ran_out_of_memory_runs_again_and_gives_what_it_would_have(n
     assert failing.raised == 2
     assert same(got, expected)
     assert len([r for r in caplog.records if "ran the device out of memory" in r.getMessage()]) == 2
+    assert metrics.value("voicechat_out_of_memory_steps_total", outcome="recovered") == before["recovered"] + 2
+    assert metrics.value("voicechat_out_of_memory_steps_total", outcome="failed") == before["failed"]
 
 
 def test_a_second_failure_or_another_error_is_raised(monkeypatch):
@@ -93,9 +99,12 @@ def test_a_second_failure_or_another_error_is_raised(monkeypatch):
         raise RuntimeError(OUT_OF_MEMORY)
 
     monkeypatch.setattr(mx, "eval", always)
+    failed = device_memory.OUT_OF_MEMORY_STEPS["failed"]
     with pytest.raises(RuntimeError, match="out of memory"):
         device_memory.evaluate(mx.array(1))
     assert len(calls) == 2  # once, and once more after the cache went back
+    assert device_memory.OUT_OF_MEMORY_STEPS["failed"] == failed + 1
+    assert Metrics("codec").value("voicechat_out_of_memory_steps_total", outcome="failed") == failed + 1
 
     def broken(*arrays):
         calls.append(arrays)
