@@ -10,7 +10,9 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
                                                   conversation ERROR_CODE_* name / realtime error type (orchestrator)
     voicechat_batch_size{service}                 histogram: sessions per batched engine step (network services)
     voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
-                                                  `cache` freed but kept for reuse, `peak` active since start
+                                                  `cache` freed but kept for reuse, `peak` active since start,
+                                                  `limit` MLX's memory limit (on a shared GPU it follows the
+                                                  device's free memory: services.common.device_memory)
     voicechat_out_of_memory_steps_total{service,outcome}
                                                   counter: engine steps that ran the device out of memory
                                                   (network services): `recovered` when run once more after the
@@ -125,7 +127,9 @@ class Metrics:
         if service != "orchestrator":
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
                            "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
-                           "most ever active", ["service", "kind"], registry=self.registry)
+                           "most ever active, 'limit' MLX's memory limit (past it cached buffers go back before an "
+                           "allocation; on a shared GPU it follows the device's free memory, --device-headroom-mb)",
+                           ["service", "kind"], registry=self.registry)
             for kind, read in _memory_readers().items():
                 memory.labels(service, kind).set_function(read)
             self.registry.register(_OutOfMemorySteps(service))
@@ -219,7 +223,7 @@ def _memory_readers() -> dict[str, Callable[[], float]]:
     import mlx.core as mx
 
     return {"active": lambda: float(mx.get_active_memory()), "cache": lambda: float(mx.get_cache_memory()),
-            "peak": lambda: float(mx.get_peak_memory())}
+            "peak": lambda: float(mx.get_peak_memory()), "limit": lambda: float(mx.get_memory_limit())}
 
 
 class _OutOfMemorySteps(Collector):

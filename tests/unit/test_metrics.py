@@ -106,6 +106,11 @@ def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none():
     del held
     assert metrics.value("voicechat_memory_bytes", kind="active") <= active - 512 * 1024 * 4
     assert metrics.value("voicechat_memory_bytes", kind="cache") == mx.get_cache_memory() >= cache_before
+    previous = mx.set_memory_limit(3 << 30)  # restored after
+    try:
+        assert metrics.value("voicechat_memory_bytes", kind="limit") == 3 << 30
+    finally:
+        mx.set_memory_limit(previous)
     assert Metrics("orchestrator").value("voicechat_memory_bytes", kind="active") is None
 
 
