@@ -1,4 +1,5 @@
-"""Headroom on a device several services share: each frees its buffer cache before the device is full.
+"""Device memory on a GPU several services share: each keeps headroom for the others, and a step that still runs
+the device out of memory runs once more after the process's buffer cache went back.
 
 MLX's allocator gives a process a memory limit of about the whole device (95% on CUDA) and frees the process's
 buffer cache only when its own arrays and cache pass that limit. Four services on one GPU never get there each,
