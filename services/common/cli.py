@@ -33,7 +33,7 @@ from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
 from services.common.device_memory import Headroom
-from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost
+from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost, out_of_memory
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
 from services.common.metrics import announce as announce_metrics
@@ -395,6 +395,11 @@ def run_service(
     except Exception as exc:  # cannot bind, bad checkpoint: one clear line; the traceback only at DEBUG
         logging.getLogger(prog).debug("startup failed", exc_info=True)
         detail = str(exc) if isinstance(exc, OSError | ValueError) else f"{type(exc).__name__}: {exc}"
+        if out_of_memory(exc):
+            detail = (f"the device ran out of memory while the service started ({detail}). Its weights and the "
+                      "batch sizes it compiles must fit beside whatever else holds the device: compile fewer "
+                      "sizes (--precompile-batches), batch fewer sessions (--max-batch), or give it a device with "
+                      "more free memory")
         print(f"{prog}: error: {detail}", file=sys.stderr, flush=True)
         return 1
     finally:

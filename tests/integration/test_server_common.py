@@ -313,6 +313,25 @@ def test_a_service_whose_device_failed_exits_with_its_code(tmp_path):
             proc.wait()
 
 
+def test_a_service_that_runs_out_of_device_memory_while_it_starts_says_what_to_change(tmp_path, capsys,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(cli, "process_settings", lambda: None)  # a process's entry settings: not this one's
+    async def load():
+        raise RuntimeError(OUT_OF_MEMORY)  # as compiling its batch sizes met it on an 80 GB GPU
+
+    def build(args):
+        return cli.ServiceSpec([(codec_pb2_grpc.add_CodecServiceServicer_to_server, FakeCodecServicer(None))],
+                               [full_service_name(codec_pb2, "CodecService")], load=load)
+
+    argv = ["--model", str(tmp_path), "--host", HOST, "--port", "0", "--log-level", "warning"]
+    assert cli.run_service(build, prog="fake", description="fake", argv=argv) == 1
+    assert capsys.readouterr().err == (
+        f"fake: error: the device ran out of memory while the service started (RuntimeError: {OUT_OF_MEMORY}). Its "
+        "weights and the batch sizes it compiles must fit beside whatever else holds the device: compile fewer "
+        "sizes (--precompile-batches), batch fewer sessions (--max-batch), or give it a device with more free "
+        "memory\n")
+
+
 def test_stream_must_open_first():
     async def main():
         async with codec_server() as (_, channel, _):
