@@ -33,6 +33,7 @@ from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
 from services.common.device_memory import Headroom
+from services.common.device_pool import DevicePool
 from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost, out_of_memory
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
@@ -290,7 +291,7 @@ def keep_device_headroom(headroom_mb: float | None, memory_limit_mb: float | Non
         return None
     if headroom_mb is None:
         headroom_mb = shared_cache_limit_mb()
-    return Headroom(headroom_mb, memory_limit_mb).start()
+    return Headroom(headroom_mb, memory_limit_mb, pool=DevicePool.open()).start()
 
 
 def configure_logging(level: str) -> None:

@@ -14,11 +14,17 @@ temporaries). A background thread refreshes the limit every `period_s`; it never
 process holds (a limit there would only slow each step, not free memory), nor over an explicit
 `--memory-limit-mb`.
 
+Memory MLX frees on CUDA goes back to the driver's memory pool, which keeps it reserved for this process
+(`services.common.device_pool`): the device counts it as used, every other process is short of it. While the
+device is short, the headroom hands that memory back (trims the pool), and until then counts it as this
+process's own (a limit over it allocates from the pool, not from the device).
+
 A device that does not report its free memory (the CPU; Apple silicon's unified memory) leaves the limit as it
 is.
 
 `evaluate` is the engines' `mx.eval` of a step: when the device runs out of memory during it, the process's
-buffer cache goes back to the device and the evaluation runs once more. MLX leaves a failed evaluation
+buffer cache goes back to the device and, after a pause in which the other services' headroom threads see the
+device short and trim their pools, the evaluation runs once more. MLX leaves a failed evaluation
 resumable (what it had evaluated stays evaluated, its queued work flushed; the rest keeps its graph), so the
 second evaluation completes the same step, not another one; the step's sessions go on as if nothing happened.
 """
@@ -27,9 +33,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.device_pool import DriverError, Pool
 from services.common.errors import out_of_memory
 
 MIB = 1 << 20
@@ -37,22 +45,31 @@ DEFAULT_PERIOD_S = 0.05
 # Steps of this process whose evaluation ran the device out of memory: `recovered` completed when run once more,
 # `failed` ran out again (voicechat_out_of_memory_steps_total{service,outcome}).
 OUT_OF_MEMORY_STEPS = {"recovered": 0, "failed": 0}
+# This process's device memory outside MLX's counters (voicechat_memory_bytes{kind="pooled"}) and what the headroom
+# handed back of it (voicechat_memory_trimmed_bytes_total), as of the headroom's last reading.
+POOL_BYTES = {"pooled": 0, "trimmed": 0}
+TRIM_MIN_BYTES = 16 * MIB  # less unused in the pool is not worth a trim
+# After a step ran the device out of memory, this long before it runs once more: time for the other services'
+# headroom threads to see the device short and hand back what their pools hold (two of their readings).
+RETRY_WAIT_S = 2 * DEFAULT_PERIOD_S
 
 
 @dataclass(frozen=True)
 class Counters:
-    """One reading: the device's free bytes and this process's MLX active and cached bytes."""
+    """One reading: the device's free bytes, this process's MLX active and cached bytes, and the bytes its driver
+    pool holds for it that no allocation uses (freed by MLX, not yet back on the device; 0 where unknown)."""
 
     free: int
     active: int
     cache: int
+    pooled: int = 0
 
 
 def memory_limit(reading: Counters, headroom: int, ceiling: int | None = None) -> int:
     """The MLX memory limit that keeps `headroom` bytes of the device free for other processes: this process's
-    arrays and cache plus the device's free memory, less the headroom; never under the arrays it holds, never
-    over `ceiling` (an explicit limit)."""
-    limit = max(reading.active, reading.active + reading.cache + reading.free - headroom)
+    arrays, cache and pooled memory plus the device's free memory, less the headroom; never under the arrays it
+    holds, never over `ceiling` (an explicit limit)."""
+    limit = max(reading.active, reading.active + reading.cache + reading.pooled + reading.free - headroom)
     return limit if ceiling is None else min(limit, ceiling)
 
 
@@ -82,12 +99,13 @@ class Headroom:
 
     def __init__(self, headroom_mb: float, ceiling_mb: float | None = None, period_s: float = DEFAULT_PERIOD_S,
                  read: Callable[[], Counters | None] = read_counters,
-                 set_limit: Callable[[int], None] = _set_limit) -> None:
+                 set_limit: Callable[[int], None] = _set_limit, pool: Pool | None = None) -> None:
         self.headroom = int(headroom_mb * MIB)
         self.ceiling = None if ceiling_mb is None else int(ceiling_mb * MIB)
         self.period_s = period_s
         self._read = read
         self._set_limit = set_limit
+        self._pool = pool
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.limit: int | None = None  # the last limit set
@@ -98,8 +116,10 @@ class Headroom:
         reading = self._read()
         if reading is None:
             return None
-        limit = memory_limit(reading, self.headroom, self.ceiling)
         short = reading.free < self.headroom
+        if self._pool is not None:
+            reading = self._read_pool(reading, short)
+        limit = memory_limit(reading, self.headroom, self.ceiling)
         if short and not self.short:
             logging.getLogger(__name__).warning(
                 "the device has %.0f MiB free, under the %.0f MiB headroom: this service hands back its buffer "
@@ -109,6 +129,24 @@ class Headroom:
             self._set_limit(limit)
             self.limit = limit
         return limit
+
+    def _read_pool(self, reading: Counters, short: bool) -> Counters:
+        """The reading with the pool's unused reserve, which goes back to the device (as free memory) while the
+        device is short; a pool that fails to answer is dropped (logged once), the reading kept as it was."""
+        try:
+            pooled = max(0, self._pool.reserved() - self._pool.used())
+            if short and pooled >= TRIM_MIN_BYTES:
+                self._pool.trim()  # on the device now: counted as free, as it now (about) is
+                POOL_BYTES["trimmed"] += pooled
+                reading = Counters(reading.free + pooled, reading.active, reading.cache)
+            else:
+                reading = Counters(reading.free, reading.active, reading.cache, pooled)
+        except DriverError as exc:
+            logging.getLogger(__name__).warning("device headroom: the memory pool stopped answering (%s); what "
+                                                "this process frees stays reserved for it", exc)
+            self._pool = None
+        POOL_BYTES["pooled"] = reading.pooled
+        return reading
 
     def start(self) -> Headroom | None:
         """Set the limit now and keep it fresh on a daemon thread; None (no thread) where the device reports no
@@ -150,6 +188,7 @@ def evaluate(*arrays) -> None:
         logging.getLogger(__name__).warning(
             "a step ran the device out of memory (%s); running it once more after handing back the buffer cache "
             "(%.0f MiB)", exc, cached / MIB)
+        time.sleep(RETRY_WAIT_S)
         try:
             mx.eval(*arrays)
         except RuntimeError as again:

@@ -12,7 +12,11 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
                                                   `cache` freed but kept for reuse, `peak` active since start,
                                                   `limit` MLX's memory limit (on a shared GPU it follows the
-                                                  device's free memory: services.common.device_memory)
+                                                  device's free memory: services.common.device_memory),
+                                                  `pooled` freed into CUDA's memory pool, reserved for this
+                                                  process and in no array (services.common.device_pool)
+    voicechat_memory_trimmed_bytes_total{service} counter: pooled bytes handed back to the device while it was
+                                                  short (network services on CUDA)
     voicechat_out_of_memory_steps_total{service,outcome}
                                                   counter: engine steps that ran the device out of memory
                                                   (network services): `recovered` when run once more after the
@@ -128,11 +132,13 @@ class Metrics:
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
                            "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
                            "most ever active, 'limit' MLX's memory limit (past it cached buffers go back before an "
-                           "allocation; on a shared GPU it follows the device's free memory, --device-headroom-mb)",
-                           ["service", "kind"], registry=self.registry)
+                           "allocation; on a shared GPU it follows the device's free memory, --device-headroom-mb), "
+                           "'pooled' freed into CUDA's memory pool, reserved for this process and in no array (read "
+                           "by the device headroom's thread)", ["service", "kind"], registry=self.registry)
             for kind, read in _memory_readers().items():
                 memory.labels(service, kind).set_function(read)
             self.registry.register(_OutOfMemorySteps(service))
+            self.registry.register(_TrimmedBytes(service))
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         """Add a live-session count (read at scrape time) to voicechat_active_sessions; the gauge is their sum."""
@@ -222,8 +228,11 @@ def _memory_readers() -> dict[str, Callable[[], float]]:
     """kind -> a reader of MLX's memory counter, read when scraped (MLX is imported only by the services)."""
     import mlx.core as mx
 
+    from services.common.device_memory import POOL_BYTES
+
     return {"active": lambda: float(mx.get_active_memory()), "cache": lambda: float(mx.get_cache_memory()),
-            "peak": lambda: float(mx.get_peak_memory()), "limit": lambda: float(mx.get_memory_limit())}
+            "peak": lambda: float(mx.get_peak_memory()), "limit": lambda: float(mx.get_memory_limit()),
+            "pooled": lambda: float(POOL_BYTES["pooled"])}
 
 
 class _OutOfMemorySteps(Collector):
@@ -242,6 +251,23 @@ class _OutOfMemorySteps(Collector):
                                      "answered RESOURCE_EXHAUSTED)", labels=["service", "outcome"])
         for outcome, count in OUT_OF_MEMORY_STEPS.items():
             family.add_metric([self.service, outcome], count)
+        yield family
+
+
+class _TrimmedBytes(Collector):
+    """voicechat_memory_trimmed_bytes_total: the bytes the device headroom handed back from this process's CUDA
+    memory pool (`device_memory.POOL_BYTES`) when scraped."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    def collect(self):
+        from services.common.device_memory import POOL_BYTES
+
+        family = CounterMetricFamily("voicechat_memory_trimmed_bytes", "Bytes of device memory this process had "
+                                     "freed into CUDA's memory pool, handed back to the device while it was short "
+                                     "(--device-headroom-mb)", labels=["service"])
+        family.add_metric([self.service], POOL_BYTES["trimmed"])
         yield family
 
 

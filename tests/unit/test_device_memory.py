@@ -2,12 +2,14 @@
 memory (services.common.device_memory), so its buffer cache goes back before the device is full."""
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
 
-from services.common import cli
-from services.common.device_memory import MIB, Counters, Headroom, memory_limit, read_counters
+from services.common import cli, device_memory
+from services.common.device_memory import MIB, POOL_BYTES, Counters, Headroom, memory_limit, read_counters
+from services.common.device_pool import DevicePool
 
 GIB = 1 << 30
 
@@ -86,6 +88,77 @@ def test_the_thread_keeps_the_limit_fresh_until_stopped():
     assert len(device.limits) == count
 
 
+def test_memory_freed_into_the_pool_counts_as_the_process_own_in_the_limit():
+    # 10 GiB in arrays, 3 cached, 5 freed into the pool, 20 free on the device, 4 kept: 10 + 3 + 5 + 20 - 4 = 34.
+    assert memory_limit(Counters(free=20 * GIB, active=10 * GIB, cache=3 * GIB, pooled=5 * GIB), 4 * GIB) == 34 * GIB
+
+
+class _Pool:
+    """A driver pool a test sets: reserved and used bytes; a trim hands every unused byte back."""
+
+    def __init__(self, reserved: int, used: int) -> None:
+        self.reserved_bytes, self.used_bytes, self.trims = reserved, used, 0
+
+    def reserved(self) -> int:
+        return self.reserved_bytes
+
+    def used(self) -> int:
+        return self.used_bytes
+
+    def trim(self) -> None:
+        self.trims += 1
+        self.reserved_bytes = self.used_bytes
+
+
+def test_the_pool_is_trimmed_only_while_the_device_is_short(monkeypatch):
+    monkeypatch.setitem(POOL_BYTES, "pooled", 0)
+    monkeypatch.setitem(POOL_BYTES, "trimmed", 0)
+    device = _Device(free=30 * GIB, active=8 * GIB, cache=2 * GIB)
+    pool = _Pool(reserved=16 * GIB, used=10 * GIB)  # 6 GiB freed by MLX, reserved for this process
+    guard = Headroom(4096, read=device.read, set_limit=device.set_limit, pool=pool)
+    assert guard.refresh() == (8 + 2 + 6 + 30 - 4) * GIB  # room on the device: the pool keeps it, counted as ours
+    assert pool.trims == 0 and POOL_BYTES == {"pooled": 6 * GIB, "trimmed": 0}
+
+    device.reading = Counters(free=1 * GIB, active=8 * GIB, cache=2 * GIB)  # short: the 6 GiB go back
+    assert guard.refresh() == (8 + 2 + 1 + 6 - 4) * GIB  # what was pooled is free on the device now
+    assert pool.trims == 1 and POOL_BYTES == {"pooled": 0, "trimmed": 6 * GIB}
+    device.reading = Counters(free=7 * GIB, active=8 * GIB, cache=2 * GIB)  # the device after the trim
+    guard.refresh()
+    assert pool.trims == 1  # nothing pooled: no trim
+
+    pool.reserved_bytes = pool.used_bytes + device_memory.TRIM_MIN_BYTES - 1  # too little to be worth a call
+    device.reading = Counters(free=0, active=8 * GIB, cache=2 * GIB)
+    guard.refresh()
+    assert pool.trims == 1 and POOL_BYTES["pooled"] == device_memory.TRIM_MIN_BYTES - 1
+    pool.reserved_bytes += 1
+    guard.refresh()
+    assert pool.trims == 2 and POOL_BYTES["trimmed"] == 6 * GIB + device_memory.TRIM_MIN_BYTES
+
+
+def test_a_pool_that_stops_answering_is_dropped_and_the_limit_still_follows_the_device(monkeypatch, caplog):
+    from services.common.device_pool import DriverError
+
+    monkeypatch.setitem(POOL_BYTES, "pooled", 0)
+    device = _Device(free=1 * GIB, active=8 * GIB, cache=2 * GIB)
+    pool = _Pool(reserved=16 * GIB, used=10 * GIB)
+
+    def failing() -> int:
+        raise DriverError("cuMemPoolGetAttribute returned CUDA error 201")
+
+    pool.reserved = failing
+    guard = Headroom(4096, read=device.read, set_limit=device.set_limit, pool=pool)
+    assert guard.refresh() == 8 * GIB and pool.trims == 0  # as without a pool: 8 + 2 + 1 - 4, floored at 8
+    assert guard.refresh() == 8 * GIB
+    warnings = [r.getMessage() for r in caplog.records if "stopped answering" in r.getMessage()]
+    assert len(warnings) == 1 and "CUDA error 201" in warnings[0]
+
+
+def test_without_a_cuda_device_there_is_no_pool():
+    if mx.cuda.is_available():
+        pytest.skip("this host has MLX's CUDA backend: the pool exists (the GPU test below reads it)")
+    assert DevicePool.open() is None
+
+
 def test_a_device_that_does_not_report_its_free_memory_keeps_its_limit():
     limits: list[int] = []
     guard = Headroom(4096, read=lambda: None, set_limit=limits.append)
@@ -135,5 +208,30 @@ def test_on_a_gpu_a_device_under_the_headroom_hands_the_cache_back_at_the_next_a
             assert mx.get_cache_memory() < 512 * MIB
         finally:
             mx.set_memory_limit(int(mx.device_info()["total_memory"] * 0.95))
+    finally:
+        mx.set_cache_limit(previous_cache)
+
+
+@pytest.mark.gpu
+@needs_free_memory
+def test_on_a_gpu_memory_mlx_frees_stays_in_the_pool_until_it_is_trimmed():
+    pool = DevicePool.open()
+    assert pool is not None
+    previous_cache = mx.set_cache_limit(0)  # every freed buffer goes straight back to the driver's pool
+    try:
+        mx.clear_cache()
+        before = mx.device_info()["free_memory"]
+        block = mx.zeros((256 * MIB,), dtype=mx.float32)  # 1 GiB
+        mx.eval(block)
+        assert pool.used() >= GIB
+        del block
+        mx.eval(mx.ones((4,)))  # a step's evaluation after the free, as an engine's next step (no stream sync)
+        deadline = time.monotonic() + 2.0  # the free is stream-ordered: the pool sees it a moment later
+        while pool.reserved() - pool.used() < GIB * 9 // 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.reserved() - pool.used() >= GIB * 9 // 10, "the freed GiB is not held by the pool"
+        pool.trim()
+        assert pool.reserved() - pool.used() < 64 * MIB
+        assert mx.device_info()["free_memory"] >= before - 64 * MIB  # back on the device
     finally:
         mx.set_cache_limit(previous_cache)

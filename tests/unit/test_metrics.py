@@ -114,6 +114,19 @@ def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none():
     assert Metrics("orchestrator").value("voicechat_memory_bytes", kind="active") is None
 
 
+def test_the_pooled_gauge_and_the_trimmed_counter_read_the_headroom_at_scrape_time(monkeypatch):
+    from services.common.device_memory import POOL_BYTES
+
+    metrics = Metrics("llm")
+    monkeypatch.setitem(POOL_BYTES, "pooled", 5 << 20)
+    monkeypatch.setitem(POOL_BYTES, "trimmed", 7 << 30)
+    assert metrics.value("voicechat_memory_bytes", kind="pooled") == 5 << 20
+    assert metrics.value("voicechat_memory_trimmed_bytes_total") == 7 << 30
+    POOL_BYTES["trimmed"] += 1 << 30
+    assert metrics.value("voicechat_memory_trimmed_bytes_total") == 8 << 30
+    assert Metrics("orchestrator").value("voicechat_memory_trimmed_bytes_total") is None
+
+
 def test_unknown_service_and_bad_budget_are_refused():
     with pytest.raises(ValueError, match="unknown service 'gateway'"):
         Metrics("gateway")
