@@ -47,8 +47,10 @@
 # device setting changes). MLX settings exported before
 # the suite apply to every step (the services it starts inherit them). SETTLE_SECONDS (0): each live
 # conversation's opening seconds left out of its interval percentiles (bench.load --settle-seconds). Where
-# nvidia-smi is on PATH, each step's GPU clocks, power, utilization and temperature are sampled every 0.5 s into
-# OUT_DIR/<step>.gpu.csv (reading them changes no setting).
+# nvidia-smi is on PATH, each step's GPU clocks, power, utilization, temperature and device memory used are sampled
+# every 0.5 s into OUT_DIR/<step>.gpu.csv, and every process's device memory every second into
+# OUT_DIR/<step>.apps.csv (what MLX's own figures leave out: CUDA contexts, libraries' workspaces, MPS; reading
+# them changes no setting).
 # COUNTS ("SESSIONS 1"): the live step's numbers of conversations, each run at every pace.
 # REPLICAS (none): the live step's services started as several processes, e.g. "perception=2 tts=2"
 # (`--replicas`, up to 9 each here); each replica keeps its own step log (steps-NAME-R.jsonl) and metrics
@@ -100,13 +102,16 @@ step() {  # step NAME COMMAND...: run, keep the log (and the GPU's clocks meanwh
   shift
   echo "== $(date +%T) $name: $*"
   if command -v nvidia-smi > /dev/null; then  # read-only: what the clocks, power and load were during the step
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu,memory.used \
       --format=csv,noheader -lms 500 > "$out/$name.gpu.csv" 2>/dev/null &
     sampler=$!
+    nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader -lms 1000 \
+      > "$out/$name.apps.csv" 2>/dev/null &
+    sampler="$sampler $!"
   fi
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
+  [ -n "$sampler" ] && kill $sampler 2>/dev/null
   tail -n 40 "$out/$name.log"
   [ $rc -eq 0 ] || echo "== $name failed with exit code $rc (log: $out/$name.log)"
   return $rc

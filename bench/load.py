@@ -26,7 +26,10 @@ with the start's `time.monotonic()`), to line up with the services' `--step-log`
 Memory: `--memory` starts the orchestrator's services with metrics on free ports and reports each service's MLX
 memory (`voicechat_memory_bytes`, MiB) before the run and after it (every conversation closed): `active` (arrays
 held: back at its level before once the conversations closed), `cache` (freed buffers kept, at most the
-service's --cache-limit-mb) and `peak` (the most ever active in the process). `--service-metrics NAME=URL` names
+service's --cache-limit-mb) and `peak` (the most ever active in the process); read every `--memory-every`
+seconds (1) during the run too: the most `active`, `cache` and `pooled` (device memory freed into CUDA's pool, held
+by the process outside its arrays) and the least `limit` (where the device headroom squeezed MLX's memory limit,
+`--json` keeps every reading). `--service-metrics NAME=URL` names
 the /metrics of a running orchestrator's services instead. `--serve-flags` passes flags to the orchestrator this
 starts (e.g. "--service-flags all=--precompile-batches=32"); `--repeat N` runs the same load N times on one
 server, each reported, so a second burst's memory shows beside the first's:
@@ -431,17 +434,63 @@ def _forward(pipe, to) -> None:
 
 
 SERVICES = ("perception", "llm", "tts", "codec")
-MEMORY_KINDS = ("active", "cache", "peak")
+MEMORY_KINDS = ("active", "cache", "peak", "limit", "pooled")  # a service without a kind reports None for it
+MEMORY_EVERY_S = 1.0
 
 
-def service_memory(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+def service_memory(urls: dict[str, str]) -> dict[str, dict[str, float | None]]:
     """Each service's MLX memory now, MiB by kind (`voicechat_memory_bytes`), from its /metrics URL."""
     memory = {}
     for name, url in urls.items():
         page = scrape(url)
-        memory[name] = {kind: page[("voicechat_memory_bytes", frozenset({("service", name), ("kind", kind)}))]
-                        / (1 << 20) for kind in MEMORY_KINDS}
+        values = {kind: page.get(("voicechat_memory_bytes", frozenset({("service", name), ("kind", kind)})))
+                  for kind in MEMORY_KINDS}
+        memory[name] = {kind: None if value is None else value / (1 << 20) for kind, value in values.items()}
     return memory
+
+
+class MemoryWatch:
+    """The services' memory read every `every_s` seconds on a thread of its own while a run lasts: what the
+    readings before and after it miss (the most held during the run, the least limit the device headroom set,
+    the most each service's CUDA pool held outside its arrays)."""
+
+    def __init__(self, urls: dict[str, str], every_s: float = MEMORY_EVERY_S,
+                 read=service_memory) -> None:
+        self.urls, self.every_s, self._read = urls, every_s, read
+        self.samples: list[tuple[float, dict[str, dict[str, float | None]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+        self._start = 0.0
+
+    def __enter__(self) -> MemoryWatch:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.samples.append((time.monotonic() - self._start, self._read(self.urls)))
+            except OSError:
+                pass  # a service between scrapes (restarting, or gone with the run's end): the next reading counts
+            if self._stop.wait(self.every_s):
+                return
+
+    def extremes(self) -> dict[str, dict[str, float | None]]:
+        """Per service, MiB over the readings: the most `active`, `cache` and `pooled`, the least `limit` (None
+        where no reading had the kind)."""
+        out = {}
+        for name in self.urls:
+            def values(kind: str, name: str = name) -> list[float]:
+                return [v for _, memory in self.samples if (v := memory.get(name, {}).get(kind)) is not None]
+
+            out[name] = {f"most_{kind}": max(values(kind), default=None) for kind in ("active", "cache", "pooled")}
+            out[name]["least_limit"] = min(values("limit"), default=None)
+        return out
 
 
 def parse_service_metrics(text: str) -> tuple[str, str]:
@@ -466,13 +515,18 @@ def metrics_flags(names=SERVICES) -> tuple[list[str], dict[str, str]]:
     return flags, urls
 
 
-def print_memory(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> None:
-    """| service | active before | active after | cache after | peak after | (MiB)"""
-    print("| service | active before MiB | active after MiB | cache after MiB | peak after MiB |")
-    print("| --- | --- | --- | --- | --- |")
+def print_memory(before: dict[str, dict[str, float | None]], after: dict[str, dict[str, float | None]],
+                 during: dict[str, dict[str, float | None]] | None = None) -> None:
+    """| service | active before | active after | cache after | peak after | (MiB), and with `during`
+    (`MemoryWatch.extremes`) the most active, cached and pooled and the least limit read during the run."""
+    watched = ("most_active", "most_cache", "most_pooled", "least_limit") if during else ()
+    print("| service | active before MiB | active after MiB | cache after MiB | peak after MiB |"
+          + "".join(f" {key.replace('_', ' ')} during MiB |" for key in watched))
+    print("| --- | --- | --- | --- | --- |" + " --- |" * len(watched))
     for name, now in after.items():
-        print(f"| {name} | {before[name]['active']:.1f} | {now['active']:.1f} | {now['cache']:.1f} | "
-              f"{now['peak']:.1f} |")
+        cells = [before[name]["active"], now["active"], now["cache"], now["peak"],
+                 *((during or {}).get(name, {}).get(key) for key in watched)]
+        print(f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |")
 
 
 def print_table(report: LoadReport) -> None:
@@ -517,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="report each service's MLX memory before and after the run (the services of the "
                              "orchestrator this starts get metrics ports)")
+    parser.add_argument("--memory-every", type=float, default=MEMORY_EVERY_S, metavar="S",
+                        help="with --memory, also read the services' memory every S seconds during the run (default "
+                             f"{MEMORY_EVERY_S:g}; 0: only before and after): the most held, the least limit")
     parser.add_argument("--service-metrics", type=parse_service_metrics, action="append", metavar="NAME=URL",
                         help="a running service's /metrics URL, for --memory against --address (repeatable)")
     parser.add_argument("--serve-flags", default="", metavar="FLAGS",
@@ -579,10 +636,13 @@ def main(argv: list[str] | None = None) -> int:
                     if len(args.orchestrators) > 1:
                         print(f"orchestrators {k}, run {r} of {args.repeat}", flush=True)
                     before = service_memory(metrics) if args.memory else {}
-                    report = run(args.address or address, args.realtime or url, [p.pid for p in started])
+                    watch = MemoryWatch(metrics, args.memory_every) if args.memory and args.memory_every > 0 \
+                        else None
+                    with watch or contextlib.nullcontext():
+                        report = run(args.address or address, args.realtime or url, [p.pid for p in started])
                     memory = service_memory(metrics) if args.memory else {}
                     timeline = repeat_path(args.timeline, plan.index((k, r)) + 1)
-                    ok = show(report, args, before, memory, timeline) and ok
+                    ok = show(report, args, before, memory, timeline, watch) and ok
     return 0 if ok else 1
 
 
@@ -604,7 +664,7 @@ def repeat_path(path: Path | None, run: int) -> Path | None:
 
 
 def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dict,
-         timeline: Path | None = None) -> bool:
+         timeline: Path | None = None, watch: MemoryWatch | None = None) -> bool:
     """Print one run's report (and the services' memory around it), its timeline written to `timeline` when
     given; whether every conversation ended cleanly."""
     report.settle_frames = round(args.settle_seconds / FRAME_S)
@@ -614,12 +674,15 @@ def show(report: LoadReport, args: argparse.Namespace, before: dict, memory: dic
     if args.json:
         print(json.dumps({"wall_s": report.wall_s, "latency_budget_ms": round(report.budget_s * 1e3, 6),
                           "transports": report.rows(), "error_messages": report.error_counts(),
-                          **({"memory_mb": {"before": before, "after": memory}} if memory else {}),
+                          **({"memory_mb": {"before": before, "after": memory,
+                                            **({"during": watch.extremes(), "samples": [
+                                                {"t_s": round(t, 3), **sample} for t, sample in watch.samples]}
+                                               if watch else {})}} if memory else {}),
                           **({"orchestrator_cpu": cpu} if (cpu := report.orchestrator_cpu()) else {})}, indent=2))
     else:
         print_table(report)
         if memory:
-            print_memory(before, memory)
+            print_memory(before, memory, watch.extremes() if watch else None)
     return all(not o.errors and o.done and not o.lost for o in report.outcomes)
 
 if __name__ == "__main__":
