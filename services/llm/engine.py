@@ -414,8 +414,9 @@ class LanguageEngine:
         some of the last batch's sessions at each size below it (their stacked states and caches kept, as when
         some sessions' frames are not due), then at each size the openings of sessions opening together
         (`_precompile_openings`). So the compiled pieces of each size are traced (and, on a GPU, every kernel
-        built) before a client's frame waits for them. Leaves no session open, and no prompt's caches kept (each
-        of its sessions feeds its own prompt)."""
+        built) before a client's frame waits for them. The steps' sessions are closed before the openings open
+        theirs, so no more sessions are live at once than the largest batch. Leaves no session open, and no
+        prompt's caches kept (each of its sessions feeds its own prompt)."""
         rows = min((steps + 1) * max_batch + 2, self.max_prompt_tokens)
         prompt = [self.model.bos_id, *[self.model.eos_id] * (rows - 1)]
         prompts_kept, self.prompts_kept = self.prompts_kept, 0
@@ -424,6 +425,8 @@ class LanguageEngine:
         try:
             self._precompile_prompt_rows(sessions, steps)
             self._precompile_steps(sessions, steps)
+            for session in sessions:  # closed before the openings: never more sessions live than a step holds
+                self.close_session(session)
             for size in range(1, max_batch + 1):
                 self._precompile_openings(size, sessions)
         finally:

@@ -639,6 +639,25 @@ def test_random_subsets_of_a_pool_give_every_session_its_solo_results(engines, e
     assert not engine._pools and not engine.live_sessions
 
 
+def test_precompile_never_holds_more_sessions_than_its_largest_batch(engines, monkeypatch):
+    """Its steps' sessions are closed before the openings open theirs: at load a service holds at most one
+    largest batch's states and caches at once (on a GPU, with the others loading beside it: the language model's
+    peak at 40 sessions was its arrays of 80 before)."""
+    engine = engines["dense"]
+    live = []
+    open_session = engine.open_session
+
+    def counted(*args, **kwargs):
+        session = open_session(*args, **kwargs)
+        live.append(engine.live_sessions)
+        return session
+
+    monkeypatch.setattr(engine, "open_session", counted)
+    engine.precompile(5)
+    assert max(live) == 5 and live.count(5) > 1  # the steps' five, then the openings' at size 5
+    assert engine.live_sessions == 0
+
+
 @pytest.mark.parametrize("weights", ["stored", "bfloat16"])
 def test_after_precompile_sessions_opening_and_stepping_in_any_subsets_trace_nothing(tiny_checkpoint,
                                                                                      compile_traces, weights):
