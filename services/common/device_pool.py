@@ -6,8 +6,8 @@ its buffers into that pool (`cudaFreeAsync`). Memory freed into the pool stays r
 process can allocate it again, no other process can. On a GPU that four services share, each service then holds
 the most it ever held (its load, its precompiled batch sizes, its buffer cache before the device ran short),
 whatever it holds now. Measured on an H100 before any conversation opened: the four services' MLX arrays and
-caches were 40.5 GB, the device's memory in use 76.4 GB (docs/performance-history.md, "Device memory outside
-MLX's counters").
+caches were 40,408 MiB, the device's memory in use 76,402 MiB (docs/performance-history.md, "40 conversations
+on an H100; device memory outside MLX's counters").
 
 `DevicePool` reads the pool's reserved and used bytes and trims it (`cuMemPoolTrimTo`), through the CUDA driver
 (libcuda), which every CUDA process has loaded. Where there is no CUDA device (the CPU, Apple silicon) or the
