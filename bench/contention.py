@@ -15,9 +15,10 @@ their count; the recording itself costs host time, so the steps' wall times then
 process shares the GPU through an MPS daemon of its own, as `orchestrator serve --mps` runs the services.
 
 Every engine runs with the many-conversation configuration's flags and environment (`configuration`): the
-language model in bf16 with float32 copies, perception and speech with float32 copies; on CUDA the language
-model's split matmuls and MLX's CUDA graphs off in perception and speech; under MPS the clients other than
-perception below normal priority.
+language model in bf16 with float32 copies, perception and speech with float32 copies, every process with the
+buffer cache and device headroom the services get on a shared device (`--cache-limit-mb shared
+--device-headroom-mb shared`); on CUDA the language model's split matmuls and MLX's CUDA graphs off in perception
+and speech; under MPS the clients other than perception below normal priority.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def configuration(cuda: bool, mps: bool) -> tuple[dict[str, list[str]], dict[str
     README's `orchestrator serve` command and `bench/gpu_suite.sh`'s live step)."""
     flags = {"perception": ["--float32-weights"], "llm": ["--weights-dtype", "bfloat16", "--float32-weights"],
              "tts": ["--float32-weights"], "codec": []}
+    for name in flags:  # as `orchestrator serve` starts each service on a shared device
+        flags[name] += ["--cache-limit-mb", "shared", "--device-headroom-mb", "shared"]
     env: dict[str, dict[str, str]] = {name: {} for name in SERVICES}
     if cuda:
         flags["llm"].append("--split-matmuls")

@@ -4,7 +4,8 @@
                             [--sessions K[,K...]] [--frames N] [--warmup W] [--no-in-process | --no-grpc]
                             [--weights-dtype stored|bfloat16] [--float32-weights] [--split-matmuls]
                             [--partial N] [--host-split] [--kernels N] [--hold] [--memory] [--stack-all]
-                            [--cache-limit-mb MB] [--memory-limit-mb MB] [--json]
+                            [--cache-limit-mb MB|shared] [--memory-limit-mb MB] [--device-headroom-mb MB|shared]
+                            [--json]
 
 Without --address the service is started as a child process on a free port (and stopped after). Each session
 is one bidirectional stream sending N frames of synthetic but valid input, one at a time (a frame is sent when
@@ -35,8 +36,9 @@ K sessions opened (`idle`): what the sessions hold once their frames are stepped
 held at once during the burst (`peak`, which `mx.get_peak_memory` records), and once they closed, what is still
 held (`left`: should be ~0) and the buffer cache MLX keeps for reuse (`cache`, at most --cache-limit-mb when
 given). --stack-all has speech and the language model stack every session's attention keys as they do on a GPU
-(on the CPU they read each cache in place), so the CPU shows the GPU path's memory. --cache-limit-mb and
---memory-limit-mb apply the services' flags of those names to this process.
+(on the CPU they read each cache in place), so the CPU shows the GPU path's memory. --cache-limit-mb,
+--memory-limit-mb and --device-headroom-mb apply the services' flags of those names to this process (the last
+only when given: an engine measured alone keeps no headroom).
 
 --hold (in-process, one K) keeps K sessions stepping until SIGTERM, as load beside another measurement
 (`bench.contention` runs the other engines so while it times one).
@@ -75,7 +77,14 @@ from protos.voicechat.v1 import (
     speech_pb2,
     speech_pb2_grpc,
 )
-from services.common.cli import apply_cache_limit, apply_memory_limit
+from services.common.cli import (
+    SHARED,
+    apply_cache_limit,
+    apply_memory_limit,
+    cache_limit_mb,
+    keep_device_headroom,
+    shared_cache_limit_mb,
+)
 from services.common.config import VoiceChatConfig
 from services.common.loading import AS_STORED, LoadOptions, process_settings
 from services.common.metrics import scrape
@@ -474,10 +483,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack-all", action="store_true",
                         help="in-process (--no-grpc), tts and llm: stack every attention cache of a batch as on a GPU "
                              "(the CPU reads them in place), to see the GPU path's memory on the CPU")
-    parser.add_argument("--cache-limit-mb", type=float, metavar="MB",
-                        help="in-process: MLX's buffer cache bound, as the services' flag")
+    parser.add_argument("--cache-limit-mb", type=cache_limit_mb, metavar="MB",
+                        help="in-process: MLX's buffer cache bound, as the services' flag (`shared`: a shared "
+                             "device's share)")
     parser.add_argument("--memory-limit-mb", type=float, metavar="MB",
                         help="in-process: MLX's memory limit, as the services' flag")
+    parser.add_argument("--device-headroom-mb", type=cache_limit_mb, metavar="MB",
+                        help="in-process: keep MB of the device free for its other processes, as the services' flag "
+                             "(`shared`: their default; without the flag, none)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if (args.memory or args.stack_all) and args.grpc:
@@ -486,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stack-all: only tts and llm stack attention caches")
     apply_cache_limit(args.cache_limit_mb)
     apply_memory_limit(args.memory_limit_mb)
+    if args.device_headroom_mb is not None:  # a daemon thread for the process's life, as in a service
+        keep_device_headroom(shared_cache_limit_mb() if args.device_headroom_mb == SHARED
+                             else args.device_headroom_mb, args.memory_limit_mb)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
         parser.error(f"--partial {args.partial}: needs --no-grpc and fewer than the smallest session count "
                      f"({min(args.sessions)})")

@@ -53,11 +53,13 @@ def test_kernels_are_asked_of_every_measured_run(tiny_checkpoint, capsys, monkey
 
 def test_the_configuration_is_the_many_conversation_one():
     flags, env = contention.configuration(cuda=False, mps=False)
-    assert flags == {"perception": ["--float32-weights"], "llm": ["--weights-dtype", "bfloat16", "--float32-weights"],
-                     "tts": ["--float32-weights"], "codec": []}
+    shared = ["--cache-limit-mb", "shared", "--device-headroom-mb", "shared"]  # every process, as `serve` gives
+    assert flags == {"perception": ["--float32-weights", *shared],
+                     "llm": ["--weights-dtype", "bfloat16", "--float32-weights", *shared],
+                     "tts": ["--float32-weights", *shared], "codec": shared}
     assert env == {"perception": {}, "llm": {}, "tts": {}, "codec": {}}
     flags, env = contention.configuration(cuda=True, mps=True)
-    assert flags["llm"][-1] == "--split-matmuls" and flags["perception"] == ["--float32-weights"]
+    assert flags["llm"][-1] == "--split-matmuls" and flags["perception"] == ["--float32-weights", *shared]
     assert env == {"perception": {"MLX_USE_CUDA_GRAPHS": "0"},
                    "llm": {"CUDA_MPS_CLIENT_PRIORITY": "1"},
                    "tts": {"MLX_USE_CUDA_GRAPHS": "0", "CUDA_MPS_CLIENT_PRIORITY": "1"},
