@@ -28,8 +28,8 @@ memory (`voicechat_memory_bytes`, MiB) before the run and after it (every conver
 held: back at its level before once the conversations closed), `cache` (freed buffers kept, at most the
 service's --cache-limit-mb) and `peak` (the most ever active in the process); read every `--memory-every`
 seconds (1) during the run too: the most `active`, `cache` and `pooled` (device memory freed into CUDA's pool, held
-by the process outside its arrays) and the least `limit` (where the device headroom squeezed MLX's memory limit,
-`--json` keeps every reading). `--service-metrics NAME=URL` names
+by the process outside its arrays) and the least `cache_limit` (where the device headroom squeezed the buffer
+cache; `--json` keeps every reading). `--service-metrics NAME=URL` names
 the /metrics of a running orchestrator's services instead. `--serve-flags` passes flags to the orchestrator this
 starts (e.g. "--service-flags all=--precompile-batches=32"); `--repeat N` runs the same load N times on one
 server, each reported, so a second burst's memory shows beside the first's:
@@ -434,7 +434,8 @@ def _forward(pipe, to) -> None:
 
 
 SERVICES = ("perception", "llm", "tts", "codec")
-MEMORY_KINDS = ("active", "cache", "peak", "limit", "pooled")  # a service without a kind reports None for it
+# a service without a kind reports None for it
+MEMORY_KINDS = ("active", "cache", "peak", "limit", "cache_limit", "pooled")
 MEMORY_EVERY_S = 1.0
 
 
@@ -451,7 +452,7 @@ def service_memory(urls: dict[str, str]) -> dict[str, dict[str, float | None]]:
 
 class MemoryWatch:
     """The services' memory read every `every_s` seconds on a thread of its own while a run lasts: what the
-    readings before and after it miss (the most held during the run, the least limit the device headroom set,
+    readings before and after it miss (the most held during the run, the least cache limit the device headroom set,
     the most each service's CUDA pool held outside its arrays)."""
 
     def __init__(self, urls: dict[str, str], every_s: float = MEMORY_EVERY_S,
@@ -481,7 +482,7 @@ class MemoryWatch:
                 return
 
     def extremes(self) -> dict[str, dict[str, float | None]]:
-        """Per service, MiB over the readings: the most `active`, `cache` and `pooled`, the least `limit` (None
+        """Per service, MiB over the readings: the most `active`, `cache` and `pooled`, the least `cache_limit` (None
         where no reading had the kind)."""
         out = {}
         for name in self.urls:
@@ -489,7 +490,7 @@ class MemoryWatch:
                 return [v for _, memory in self.samples if (v := memory.get(name, {}).get(kind)) is not None]
 
             out[name] = {f"most_{kind}": max(values(kind), default=None) for kind in ("active", "cache", "pooled")}
-            out[name]["least_limit"] = min(values("limit"), default=None)
+            out[name]["least_cache_limit"] = min(values("cache_limit"), default=None)
         return out
 
 
@@ -518,8 +519,8 @@ def metrics_flags(names=SERVICES) -> tuple[list[str], dict[str, str]]:
 def print_memory(before: dict[str, dict[str, float | None]], after: dict[str, dict[str, float | None]],
                  during: dict[str, dict[str, float | None]] | None = None) -> None:
     """| service | active before | active after | cache after | peak after | (MiB), and with `during`
-    (`MemoryWatch.extremes`) the most active, cached and pooled and the least limit read during the run."""
-    watched = ("most_active", "most_cache", "most_pooled", "least_limit") if during else ()
+    (`MemoryWatch.extremes`) the most active, cached and pooled and the least cache limit read during the run."""
+    watched = ("most_active", "most_cache", "most_pooled", "least_cache_limit") if during else ()
     print("| service | active before MiB | active after MiB | cache after MiB | peak after MiB |"
           + "".join(f" {key.replace('_', ' ')} during MiB |" for key in watched))
     print("| --- | --- | --- | --- | --- |" + " --- |" * len(watched))
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                              "orchestrator this starts get metrics ports)")
     parser.add_argument("--memory-every", type=float, default=MEMORY_EVERY_S, metavar="S",
                         help="with --memory, also read the services' memory every S seconds during the run (default "
-                             f"{MEMORY_EVERY_S:g}; 0: only before and after): the most held, the least limit")
+                             f"{MEMORY_EVERY_S:g}; 0: only before and after): the most held, the least cache limit")
     parser.add_argument("--service-metrics", type=parse_service_metrics, action="append", metavar="NAME=URL",
                         help="a running service's /metrics URL, for --memory against --address (repeatable)")
     parser.add_argument("--serve-flags", default="", metavar="FLAGS",

@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_memory_limit(args.memory_limit_mb)
     if args.device_headroom_mb is not None:  # a daemon thread for the process's life, as in a service
         keep_device_headroom(shared_cache_limit_mb() if args.device_headroom_mb == SHARED
-                             else args.device_headroom_mb, args.memory_limit_mb)
+                             else args.device_headroom_mb)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
         parser.error(f"--partial {args.partial}: needs --no-grpc and fewer than the smallest session count "
                      f"({min(args.sessions)})")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
-from services.common.device_memory import Headroom
+from services.common.device_memory import Headroom, set_cache_limit
 from services.common.device_pool import DevicePool
 from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost, out_of_memory
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
@@ -158,7 +158,7 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=None,
         metavar="MB",
         help="keep this many MiB of the device free for its other processes: while the device's free memory is "
-        "under it, this service hands its buffer cache back before it allocates more (services.common."
+        "under it, this service hands back its buffer cache and what CUDA's memory pool holds for it (services.common."
         f"device_memory; default the '{SHARED}' cache size, a 1/{SHARED_CACHE_SHARE} share of the device at most "
         f"{SHARED_CACHE_CAP_MB} MiB; 0: off). Only where the device reports its free memory (CUDA GPUs)",
     )
@@ -267,12 +267,10 @@ def shared_cache_limit_mb(info: dict | None = None) -> float:
 def apply_cache_limit(limit_mb: float | str | None) -> None:
     """Bound MLX's buffer cache (--cache-limit-mb; SHARED: `shared_cache_limit_mb`); None leaves MLX's default."""
     if limit_mb is not None:
-        import mlx.core as mx
-
         if limit_mb == SHARED:
             limit_mb = shared_cache_limit_mb()
             logging.getLogger(__name__).info("buffer cache limit: %.0f MiB (a shared device's)", limit_mb)
-        mx.set_cache_limit(int(limit_mb * (1 << 20)))
+        set_cache_limit(int(limit_mb * (1 << 20)))
 
 
 def apply_memory_limit(limit_mb: float | None) -> None:
@@ -284,14 +282,15 @@ def apply_memory_limit(limit_mb: float | None) -> None:
         mx.set_memory_limit(int(limit_mb * (1 << 20)))
 
 
-def keep_device_headroom(headroom_mb: float | None, memory_limit_mb: float | None) -> Headroom | None:
+def keep_device_headroom(headroom_mb: float | None) -> Headroom | None:
     """Start keeping `headroom_mb` (None: the shared cache size; 0: none) of the device free for its other
-    processes (`Headroom`), under an explicit --memory-limit-mb; None where there is nothing to keep."""
+    processes (`Headroom`: the buffer cache, under the limit set before it); None where there is nothing to
+    keep."""
     if headroom_mb == 0:
         return None
     if headroom_mb is None:
         headroom_mb = shared_cache_limit_mb()
-    return Headroom(headroom_mb, memory_limit_mb, pool=DevicePool.open()).start()
+    return Headroom(headroom_mb, pool=DevicePool.open()).start()
 
 
 def configure_logging(level: str) -> None:
@@ -356,7 +355,7 @@ def run_service(
     configure_logging(args.log_level)
     apply_cache_limit(args.cache_limit_mb)
     apply_memory_limit(args.memory_limit_mb)
-    headroom = keep_device_headroom(args.device_headroom_mb, args.memory_limit_mb)
+    headroom = keep_device_headroom(args.device_headroom_mb)
     spec: ServiceSpec | None = None
     exposition: MetricsServer | None = None
     try:

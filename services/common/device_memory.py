@@ -1,26 +1,29 @@
 """Device memory on a GPU several services share: each keeps headroom for the others, and a step that still runs
 the device out of memory runs once more after the process's buffer cache went back.
 
-MLX's allocator gives a process a memory limit of about the whole device (95% on CUDA) and frees the process's
-buffer cache only when its own arrays and cache pass that limit. Four services on one GPU never get there each,
-so none frees its cache for another's allocation: the caches (up to `--cache-limit-mb` each) sit unused while a
+MLX's allocator keeps the buffers a process frees in a buffer cache (up to `--cache-limit-mb`) and gives them
+back only when the process's own arrays and cache pass its memory limit (about the whole device). Four services on
+one GPU never get there each, so none hands its cache back for another's allocation: the caches sit unused while a
 growing service runs the device out of memory.
 
-`Headroom` keeps the process's MLX memory limit at what the device has left for it: its own arrays and cache
-plus the device's free memory, less a headroom kept for the others. When the device's free memory falls under
-the headroom, the limit falls under the process's arrays and cache, and the allocator releases cached buffers
-before it allocates more (and an evaluation past the limit waits for queued work, which frees its
-temporaries). A background thread refreshes the limit every `period_s`; it never goes under the arrays the
-process holds (a limit there would only slow each step, not free memory), nor over an explicit
-`--memory-limit-mb`.
+`Headroom` keeps the process's buffer cache limit at what the device can spare: its cache, plus the device's free
+memory, less a headroom kept for the others, never over the configured limit. While the device's free memory is
+under the headroom, the limit falls under the cache, and the allocator hands the difference back at its next
+allocation (and frees into the driver, not the cache, while the limit is 0). A background thread refreshes the
+limit every `period_s`.
+
+It leaves MLX's memory limit alone: past that limit an evaluation waits for the device to finish its queued work
+after every command buffer it submits, so a limit held at the arrays a process holds (while the device is short)
+makes every step pay its host time and its device time one after the other instead of at once; it frees nothing a
+cache limit would not. An explicit `--memory-limit-mb` is the operator's, set once.
 
 Memory MLX frees on CUDA goes back to the driver's memory pool, which keeps it reserved for this process
 (`services.common.device_pool`): the device counts it as used, every other process is short of it. While the
 device is short, the headroom hands that memory back (trims the pool), and until then counts it as this
-process's own (a limit over it allocates from the pool, not from the device).
+process's own (the cache may grow into it without taking memory from the device).
 
-A device that does not report its free memory (the CPU; Apple silicon's unified memory) leaves the limit as it
-is.
+A device that does not report its free memory (the CPU; Apple silicon's unified memory) leaves the cache limit as
+it is.
 
 `evaluate` is the engines' `mx.eval` of a step: when the device runs out of memory during it, the process's
 buffer cache goes back to the device and, after a pause in which the other services' headroom threads see the
@@ -48,6 +51,9 @@ OUT_OF_MEMORY_STEPS = {"recovered": 0, "failed": 0}
 # This process's device memory outside MLX's counters (voicechat_memory_bytes{kind="pooled"}) and what the headroom
 # handed back of it (voicechat_memory_trimmed_bytes_total), as of the headroom's last reading.
 POOL_BYTES = {"pooled": 0, "trimmed": 0}
+# The buffer cache limit last set through `set_cache_limit` (voicechat_memory_bytes{kind="cache_limit"}); None:
+# MLX's default.
+CACHE_LIMIT: dict[str, int | None] = {"bytes": None}
 TRIM_MIN_BYTES = 16 * MIB  # less unused in the pool is not worth a trim
 # After a step ran the device out of memory, this long before it runs once more: time for the other services'
 # headroom threads to see the device short and hand back what their pools hold (two of their readings).
@@ -65,12 +71,11 @@ class Counters:
     pooled: int = 0
 
 
-def memory_limit(reading: Counters, headroom: int, ceiling: int | None = None) -> int:
-    """The MLX memory limit that keeps `headroom` bytes of the device free for other processes: this process's
-    arrays, cache and pooled memory plus the device's free memory, less the headroom; never under the arrays it
-    holds, never over `ceiling` (an explicit limit)."""
-    limit = max(reading.active, reading.active + reading.cache + reading.pooled + reading.free - headroom)
-    return limit if ceiling is None else min(limit, ceiling)
+def cache_limit(reading: Counters, headroom: int, ceiling: int) -> int:
+    """The buffer cache limit that keeps `headroom` bytes of the device free for other processes: the bytes this
+    process keeps idle (its cache and pooled memory) plus the device's free memory, less the headroom; never under
+    0, never over `ceiling` (the configured limit)."""
+    return max(0, min(ceiling, reading.cache + reading.pooled + reading.free - headroom))
 
 
 def read_counters() -> Counters | None:
@@ -87,39 +92,54 @@ def read_counters() -> Counters | None:
     return Counters(free, mx.get_active_memory(), mx.get_cache_memory())
 
 
-def _set_limit(limit: int) -> None:
+def set_cache_limit(limit: int) -> int:
+    """Set MLX's buffer cache limit (bytes) and keep it for the metrics (`CACHE_LIMIT`); the limit it replaced."""
     import mlx.core as mx
 
-    mx.set_memory_limit(limit)
+    CACHE_LIMIT["bytes"] = limit
+    return mx.set_cache_limit(limit)
+
+
+def configured_cache_limit() -> int:
+    """MLX's buffer cache limit now (it has no getter: set and put back, before any engine runs)."""
+    import mlx.core as mx
+
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
 
 
 class Headroom:
-    """The background thread that keeps this process's MLX memory limit at its share of a shared device (see the
-    module's docstring). `start()` returns None where the device does not report its free memory."""
+    """The background thread that keeps this process's buffer cache limit at its share of a shared device (see
+    the module's docstring); `ceiling` is the configured limit in bytes (None: MLX's limit when started).
+    `start()` returns None where the device does not report its free memory."""
 
-    def __init__(self, headroom_mb: float, ceiling_mb: float | None = None, period_s: float = DEFAULT_PERIOD_S,
+    def __init__(self, headroom_mb: float, ceiling: int | None = None, period_s: float = DEFAULT_PERIOD_S,
                  read: Callable[[], Counters | None] = read_counters,
-                 set_limit: Callable[[int], None] = _set_limit, pool: Pool | None = None) -> None:
+                 set_limit: Callable[[int], object] = set_cache_limit, pool: Pool | None = None) -> None:
         self.headroom = int(headroom_mb * MIB)
-        self.ceiling = None if ceiling_mb is None else int(ceiling_mb * MIB)
+        self.ceiling = ceiling
         self.period_s = period_s
         self._read = read
         self._set_limit = set_limit
         self._pool = pool
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.limit: int | None = None  # the last limit set
+        self.limit: int | None = None  # the last cache limit set
         self.short = False  # whether the device's free memory was under the headroom at the last reading
 
     def refresh(self) -> int | None:
-        """Read the counters and set the limit when it changed; the limit, or None where nothing is reported."""
+        """Read the counters and set the cache limit when it changed; the limit, or None where nothing is
+        reported."""
         reading = self._read()
         if reading is None:
             return None
+        if self.ceiling is None:
+            self.ceiling = configured_cache_limit()
         short = reading.free < self.headroom
         if self._pool is not None:
             reading = self._read_pool(reading, short)
-        limit = memory_limit(reading, self.headroom, self.ceiling)
+        limit = cache_limit(reading, self.headroom, self.ceiling)
         if short and not self.short:
             logging.getLogger(__name__).warning(
                 "the device has %.0f MiB free, under the %.0f MiB headroom: this service hands back its buffer "

@@ -130,11 +130,12 @@ class Metrics:
                   registry=self.registry).labels(service).set_function(_summed(self._queued_counts))
         if service != "orchestrator":
             memory = Gauge("voicechat_memory_bytes", "MLX memory of this process on its device: 'active' held "
-                           "by arrays, 'cache' freed buffers kept for reuse (bounded by --cache-limit-mb), 'peak' the "
-                           "most ever active, 'limit' MLX's memory limit (past it cached buffers go back before an "
-                           "allocation; on a shared GPU it follows the device's free memory, --device-headroom-mb), "
-                           "'pooled' freed into CUDA's memory pool, reserved for this process and in no array (read "
-                           "by the device headroom's thread)", ["service", "kind"], registry=self.registry)
+                           "by arrays, 'cache' freed buffers kept for reuse, 'cache_limit' the cache's bound "
+                           "(--cache-limit-mb; on a shared GPU it follows the device's free memory, "
+                           "--device-headroom-mb), 'peak' the most ever active, 'limit' MLX's memory limit (past it "
+                           "an evaluation waits for queued work; --memory-limit-mb), 'pooled' freed into CUDA's "
+                           "memory pool, reserved for this process and in no array (read by the device headroom's "
+                           "thread)", ["service", "kind"], registry=self.registry)
             for kind, read in _memory_readers().items():
                 memory.labels(service, kind).set_function(read)
             self.registry.register(_OutOfMemorySteps(service))
@@ -228,11 +229,14 @@ def _memory_readers() -> dict[str, Callable[[], float]]:
     """kind -> a reader of MLX's memory counter, read when scraped (MLX is imported only by the services)."""
     import mlx.core as mx
 
-    from services.common.device_memory import POOL_BYTES
+    from services.common.device_memory import CACHE_LIMIT, POOL_BYTES
+
+    def cache_limit() -> float:  # unset: MLX's default, which is its memory limit
+        return float(mx.get_memory_limit() if CACHE_LIMIT["bytes"] is None else CACHE_LIMIT["bytes"])
 
     return {"active": lambda: float(mx.get_active_memory()), "cache": lambda: float(mx.get_cache_memory()),
             "peak": lambda: float(mx.get_peak_memory()), "limit": lambda: float(mx.get_memory_limit()),
-            "pooled": lambda: float(POOL_BYTES["pooled"])}
+            "cache_limit": cache_limit, "pooled": lambda: float(POOL_BYTES["pooled"])}
 
 
 class _OutOfMemorySteps(Collector):

@@ -318,19 +318,21 @@ def test_service_bench_reports_a_bursts_memory(tiny_checkpoint, capsys):
 def test_service_bench_takes_a_shared_devices_cache_limit_and_headroom_as_the_services_do(tiny_checkpoint,
                                                                                           monkeypatch):
     from services.common import cli
+    from services.common.device_memory import CACHE_LIMIT
 
     kept = []
-    monkeypatch.setattr(service, "keep_device_headroom", lambda mb, limit: kept.append((mb, limit)))
+    monkeypatch.setattr(service, "keep_device_headroom", lambda mb: kept.append(mb))
+    monkeypatch.setitem(CACHE_LIMIT, "bytes", None)  # the process's record of the limit: restored after
     previous, limit = mx.set_cache_limit(1 << 40), mx.get_memory_limit()  # the process's: restored after
     try:
         assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1", "--frames", "1",
                              "--warmup", "0", "--no-grpc", "--cache-limit-mb", "shared", "--device-headroom-mb",
                              "shared", "--memory-limit-mb", "4096"]) == 0
-        assert mx.set_cache_limit(1 << 40) == int(cli.shared_cache_limit_mb() * (1 << 20))
-        assert kept == [(cli.shared_cache_limit_mb(), 4096.0)]
+        assert mx.set_cache_limit(1 << 40) == int(cli.shared_cache_limit_mb() * (1 << 20)) == CACHE_LIMIT["bytes"]
+        assert kept == [cli.shared_cache_limit_mb()]
         assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1", "--frames", "1",
                              "--warmup", "0", "--no-grpc", "--device-headroom-mb", "512"]) == 0
-        assert kept[-1] == (512.0, None)
+        assert kept[-1] == 512.0
         assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1", "--frames", "1",
                              "--warmup", "0", "--no-grpc"]) == 0
         assert len(kept) == 2  # no flag, no headroom: an engine measured alone

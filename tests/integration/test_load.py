@@ -267,7 +267,7 @@ def test_the_load_bench_reads_each_services_memory_from_its_metrics(capsys):
         assert parse_service_metrics(f"tts={server.url}") == ("tts", server.url)
         memory = service_memory({"tts": server.url})
     assert memory["tts"]["active"] == pytest.approx(mx.get_active_memory() / (1 << 20), rel=0.1)
-    assert set(memory["tts"]) == {"active", "cache", "peak", "limit", "pooled"}
+    assert set(memory["tts"]) == {"active", "cache", "peak", "limit", "cache_limit", "pooled"}
     assert memory["tts"]["peak"] >= memory["tts"]["active"]
     assert memory["tts"]["limit"] == mx.get_memory_limit() / (1 << 20) and memory["tts"]["pooled"] == 0.0
     print_memory({"tts": {"active": 1.0}}, {"tts": {"active": 2.0, "cache": 3.0, "peak": 4.5}})
@@ -277,17 +277,17 @@ def test_the_load_bench_reads_each_services_memory_from_its_metrics(capsys):
             parse_service_metrics(bad)
 
 
-def test_the_memory_watch_keeps_the_most_held_and_the_least_limit_over_its_readings(capsys):
+def test_the_memory_watch_keeps_the_most_held_and_the_least_cache_limit_over_its_readings(capsys):
     from bench.load import MemoryWatch, print_memory
 
     readings = iter([  # MiB by kind, as service_memory returns them; an older service reports no pooled memory
-        {"llm": {"active": 10.0, "cache": 4.0, "peak": 12.0, "limit": 90.0, "pooled": 1.0},
-         "tts": {"active": 5.0, "cache": 0.0, "peak": 5.0, "limit": 50.0, "pooled": None}},
+        {"llm": {"active": 10.0, "cache": 4.0, "peak": 12.0, "cache_limit": 90.0, "pooled": 1.0},
+         "tts": {"active": 5.0, "cache": 0.0, "peak": 5.0, "cache_limit": 50.0, "pooled": None}},
         OSError("a service between scrapes"),
-        {"llm": {"active": 14.0, "cache": 1.0, "peak": 15.0, "limit": 30.0, "pooled": 6.0},
-         "tts": {"active": 7.0, "cache": 2.0, "peak": 7.0, "limit": 60.0, "pooled": None}},
-        {"llm": {"active": 11.0, "cache": 2.0, "peak": 15.0, "limit": 40.0, "pooled": 0.0},
-         "tts": {"active": 6.0, "cache": 3.0, "peak": 7.0, "limit": 55.0, "pooled": None}},
+        {"llm": {"active": 14.0, "cache": 1.0, "peak": 15.0, "cache_limit": 30.0, "pooled": 6.0},
+         "tts": {"active": 7.0, "cache": 2.0, "peak": 7.0, "cache_limit": 60.0, "pooled": None}},
+        {"llm": {"active": 11.0, "cache": 2.0, "peak": 15.0, "cache_limit": 40.0, "pooled": 0.0},
+         "tts": {"active": 6.0, "cache": 3.0, "peak": 7.0, "cache_limit": 55.0, "pooled": None}},
     ])
     done = threading.Event()
 
@@ -304,13 +304,13 @@ def test_the_memory_watch_keeps_the_most_held_and_the_least_limit_over_its_readi
         assert done.wait(5)
     assert len(watch.samples) >= 3 and [t for t, _ in watch.samples] == sorted(t for t, _ in watch.samples)
     assert watch.extremes() == {
-        "llm": {"most_active": 14.0, "most_cache": 4.0, "most_pooled": 6.0, "least_limit": 30.0},
-        "tts": {"most_active": 7.0, "most_cache": 3.0, "most_pooled": None, "least_limit": 50.0}}
+        "llm": {"most_active": 14.0, "most_cache": 4.0, "most_pooled": 6.0, "least_cache_limit": 30.0},
+        "tts": {"most_active": 7.0, "most_cache": 3.0, "most_pooled": None, "least_cache_limit": 50.0}}
     after = {"llm": {"active": 10.0, "cache": 2.0, "peak": 15.0}, "tts": {"active": 5.0, "cache": 3.0, "peak": 7.0}}
     print_memory({"llm": {"active": 9.0}, "tts": {"active": 5.0}}, after, watch.extremes())
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("| most active during MiB | most cache during MiB | most pooled during MiB | "
-                             "least limit during MiB |")
+                             "least cache limit during MiB |")
     assert lines[2:] == ["| llm | 9.0 | 10.0 | 2.0 | 15.0 | 14.0 | 4.0 | 6.0 | 30.0 |",
                          "| tts | 5.0 | 5.0 | 3.0 | 7.0 | 7.0 | 3.0 | - | 50.0 |"]
 

@@ -92,8 +92,10 @@ def test_batch_sizes_fill_their_buckets_and_the_orchestrator_has_none():
         orchestrator.batch(1)
 
 
-def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none():
+def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none(monkeypatch):
     import mlx.core as mx
+
+    from services.common.device_memory import CACHE_LIMIT
 
     metrics = Metrics("tts")
     mx.clear_cache()
@@ -109,6 +111,10 @@ def test_memory_gauges_read_mlx_at_scrape_time_and_the_orchestrator_has_none():
     previous = mx.set_memory_limit(3 << 30)  # restored after
     try:
         assert metrics.value("voicechat_memory_bytes", kind="limit") == 3 << 30
+        monkeypatch.setitem(CACHE_LIMIT, "bytes", None)  # never set: MLX's default, its memory limit
+        assert metrics.value("voicechat_memory_bytes", kind="cache_limit") == 3 << 30
+        monkeypatch.setitem(CACHE_LIMIT, "bytes", 1 << 30)  # as `device_memory.set_cache_limit` keeps it
+        assert metrics.value("voicechat_memory_bytes", kind="cache_limit") == 1 << 30
     finally:
         mx.set_memory_limit(previous)
     assert Metrics("orchestrator").value("voicechat_memory_bytes", kind="active") is None
