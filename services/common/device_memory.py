@@ -151,22 +151,29 @@ class Headroom:
         return limit
 
     def _read_pool(self, reading: Counters, short: bool) -> Counters:
-        """The reading with the pool's unused reserve, which goes back to the device (as free memory) while the
-        device is short; a pool that fails to answer is dropped (logged once), the reading kept as it was."""
+        """The reading with the pool's unused reserve. While the device is short that reserve goes back to the
+        device first, and the counters are read again: what the trim gave back is counted once the device shows
+        it free, and whatever it left stays counted as pooled. A pool that fails to answer is dropped (logged
+        once), the reading kept as it was."""
         try:
-            pooled = max(0, self._pool.reserved() - self._pool.used())
+            pooled = self._pooled()
             if short and pooled >= TRIM_MIN_BYTES:
-                self._pool.trim()  # on the device now: counted as free, as it now (about) is
-                POOL_BYTES["trimmed"] += pooled
-                reading = Counters(reading.free + pooled, reading.active, reading.cache)
-            else:
-                reading = Counters(reading.free, reading.active, reading.cache, pooled)
+                self._pool.trim()
+                again = self._read()
+                reading = reading if again is None else again
+                pooled_after = self._pooled()
+                POOL_BYTES["trimmed"] += max(0, pooled - pooled_after)
+                pooled = pooled_after
+            reading = Counters(reading.free, reading.active, reading.cache, pooled)
         except DriverError as exc:
             logging.getLogger(__name__).warning("device headroom: the memory pool stopped answering (%s); what "
                                                 "this process frees stays reserved for it", exc)
             self._pool = None
         POOL_BYTES["pooled"] = reading.pooled
         return reading
+
+    def _pooled(self) -> int:
+        return max(0, self._pool.reserved() - self._pool.used())
 
     def start(self) -> Headroom | None:
         """Set the limit now and keep it fresh on a daemon thread; None (no thread) where the device reports no

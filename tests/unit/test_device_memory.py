@@ -109,10 +109,11 @@ def test_memory_freed_into_the_pool_counts_as_the_process_own_in_the_limit():
 
 
 class _Pool:
-    """A driver pool a test sets: reserved and used bytes; a trim hands every unused byte back."""
+    """A driver pool a test sets: reserved and used bytes; a trim hands every unused byte back to `device` (all of
+    them, or `keeps` of them stay: a trim that cannot release everything)."""
 
-    def __init__(self, reserved: int, used: int) -> None:
-        self.reserved_bytes, self.used_bytes, self.trims = reserved, used, 0
+    def __init__(self, reserved: int, used: int, device: _Device | None = None) -> None:
+        self.reserved_bytes, self.used_bytes, self.trims, self.device, self.keeps = reserved, used, 0, device, 0
 
     def reserved(self) -> int:
         return self.reserved_bytes
@@ -122,22 +123,26 @@ class _Pool:
 
     def trim(self) -> None:
         self.trims += 1
-        self.reserved_bytes = self.used_bytes
+        freed = self.reserved_bytes - self.used_bytes - self.keeps
+        self.reserved_bytes -= freed
+        if self.device is not None:
+            r = self.device.reading
+            self.device.reading = Counters(r.free + freed, r.active, r.cache)
 
 
 def test_the_pool_is_trimmed_only_while_the_device_is_short(monkeypatch):
     monkeypatch.setitem(POOL_BYTES, "pooled", 0)
     monkeypatch.setitem(POOL_BYTES, "trimmed", 0)
     device = _Device(free=30 * GIB, active=8 * GIB, cache=2 * GIB)
-    pool = _Pool(reserved=16 * GIB, used=10 * GIB)  # 6 GiB freed by MLX, reserved for this process
+    pool = _Pool(reserved=16 * GIB, used=10 * GIB, device=device)  # 6 GiB freed by MLX, reserved for this process
     guard = Headroom(4096, ceiling=64 * GIB, read=device.read, set_limit=device.set_limit, pool=pool)
     assert guard.refresh() == (2 + 6 + 30 - 4) * GIB  # room on the device: the pool keeps it, counted as ours
     assert pool.trims == 0 and POOL_BYTES == {"pooled": 6 * GIB, "trimmed": 0}
 
     device.reading = Counters(free=1 * GIB, active=8 * GIB, cache=2 * GIB)  # short: the 6 GiB go back
-    assert guard.refresh() == (2 + 1 + 6 - 4) * GIB  # what was pooled is free on the device now
+    assert guard.refresh() == (2 + 1 + 6 - 4) * GIB  # read again after the trim: free on the device now
+    assert device.reading.free == 7 * GIB
     assert pool.trims == 1 and POOL_BYTES == {"pooled": 0, "trimmed": 6 * GIB}
-    device.reading = Counters(free=7 * GIB, active=8 * GIB, cache=2 * GIB)  # the device after the trim
     guard.refresh()
     assert pool.trims == 1  # nothing pooled: no trim
 
@@ -148,6 +153,19 @@ def test_the_pool_is_trimmed_only_while_the_device_is_short(monkeypatch):
     pool.reserved_bytes += 1
     guard.refresh()
     assert pool.trims == 2 and POOL_BYTES["trimmed"] == 6 * GIB + device_memory.TRIM_MIN_BYTES
+
+
+def test_what_a_trim_leaves_in_the_pool_stays_pooled_and_is_not_counted_free(monkeypatch):
+    monkeypatch.setitem(POOL_BYTES, "pooled", 0)
+    monkeypatch.setitem(POOL_BYTES, "trimmed", 0)
+    device = _Device(free=1 * GIB, active=8 * GIB, cache=2 * GIB)
+    pool = _Pool(reserved=16 * GIB, used=10 * GIB, device=device)
+    pool.keeps = 5 * GIB  # of the 6 unused, the trim gives back 1
+    guard = Headroom(4096, ceiling=64 * GIB, read=device.read, set_limit=device.set_limit, pool=pool)
+    assert guard.refresh() == (2 + 5 + 2 - 4) * GIB  # 2 free now, 5 still pooled (reusable by this process)
+    assert POOL_BYTES == {"pooled": 5 * GIB, "trimmed": 1 * GIB}
+    guard.refresh()  # still short: trimmed again, nothing more comes back
+    assert pool.trims == 2 and POOL_BYTES == {"pooled": 5 * GIB, "trimmed": 1 * GIB}
 
 
 def test_a_pool_that_stops_answering_is_dropped_and_the_limit_still_follows_the_device(monkeypatch, caplog):
