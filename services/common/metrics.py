@@ -11,8 +11,10 @@ Every name carries a `service` label (perception, llm, tts, codec, orchestrator)
     voicechat_batch_size{service}                 histogram: sessions per batched engine step (network services)
     voicechat_memory_bytes{service,kind}          gauge: MLX memory (network services): `active` in arrays,
                                                   `cache` freed but kept for reuse, `peak` active since start,
-                                                  `limit` MLX's memory limit (on a shared GPU it follows the
-                                                  device's free memory: services.common.device_memory),
+                                                  `limit` MLX's memory limit (--memory-limit-mb),
+                                                  `cache_limit` the buffer cache's bound (on a shared GPU it
+                                                  follows the device's free memory:
+                                                  services.common.device_memory),
                                                   `pooled` freed into CUDA's memory pool, reserved for this
                                                   process and in no array (services.common.device_pool)
     voicechat_memory_trimmed_bytes_total{service} counter: pooled bytes handed back to the device while it was
