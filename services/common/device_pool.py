@@ -2,12 +2,13 @@
 back to the device.
 
 MLX's CUDA allocator takes device memory with `cudaMallocAsync` from the device's default memory pool and frees
-its buffers into that pool (`cudaFreeAsync`). Memory freed into the pool stays reserved by the process: this
-process can allocate it again, no other process can. On a GPU that four services share, each service then holds
-the most it ever held (its load, its precompiled batch sizes, its buffer cache before the device ran short),
-whatever it holds now. Measured on an H100 before any conversation opened: the four services' MLX arrays and
-caches were 40,408 MiB, the device's memory in use 76,402 MiB (docs/performance-history.md, "40 conversations
-on an H100; device memory outside MLX's counters").
+its buffers into that pool (`cudaFreeAsync`). Memory freed into the pool can stay reserved by the process (until
+the driver releases it at a synchronization, past the pool's release threshold): this process can allocate it
+again, no other process can. Measured on an H100 before any conversation opened: the four services' MLX arrays
+and caches were 40,408 MiB, the device's memory in use 76,402 MiB (docs/performance-history.md, "40 conversations
+on an H100; device memory outside MLX's counters"); in a later live run the pools read no unused reserve, so
+most of that difference is held elsewhere (`python -m bench.device_memory` reads it phase by phase). Reading
+the pool costs two driver calls; trimming it while the device is short hands back whatever it does hold.
 
 `DevicePool` reads the pool's reserved and used bytes and trims it (`cuMemPoolTrimTo`), through the CUDA driver
 (libcuda), which every CUDA process has loaded. Where there is no CUDA device (the CPU, Apple silicon) or the
