@@ -26,21 +26,24 @@ A device that does not report its free memory (the CPU; Apple silicon's unified 
 it is.
 
 `evaluate` is the engines' `mx.eval` of a step: when the device runs out of memory during it, the process's
-buffer cache goes back to the device and, after a pause in which the other services' headroom threads see the
-device short and trim their pools, the evaluation runs once more. MLX leaves a failed evaluation
-resumable (what it had evaluated stays evaluated, its queued work flushed; the rest keeps its graph), so the
-second evaluation completes the same step, not another one; the step's sessions go on as if nothing happened.
+buffer cache and its pool's unused reserve go back to the device (a large allocation needs memory the pool can
+map whole, which blocks it freed in pieces may not give) and, after a pause in which the other services'
+headroom threads see the device short and trim their pools, the evaluation runs once more. MLX leaves a failed
+evaluation resumable (what it had evaluated stays evaluated, its queued work flushed; the rest keeps its graph),
+so the second evaluation completes the same step, not another one; the step's sessions go on as if nothing
+happened.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.device_pool import DriverError, Pool
+from services.common.device_pool import DevicePool, DriverError, Pool
 from services.common.errors import out_of_memory
 
 MIB = 1 << 20
@@ -200,9 +203,36 @@ class Headroom:
             self._thread.join()
 
 
+@functools.cache
+def process_pool() -> Pool | None:
+    """This process's device memory pool (`DevicePool.open`, once); None without one (the CPU, Apple silicon)."""
+    return DevicePool.open()
+
+
+def hand_back(pool: Pool | None) -> tuple[int, int]:
+    """Give the device what this process holds and no array uses: MLX's buffer cache, then, once the stream has
+    run the frees that queued, the pool's unused reserve (`pool.trim`). Returns the bytes of each handed back
+    (the second 0 without a pool, or when the pool fails to answer)."""
+    import mlx.core as mx
+
+    cached = mx.get_cache_memory()
+    mx.clear_cache()
+    if pool is None:
+        return cached, 0
+    try:
+        mx.synchronize()  # the cache's frees are stream-ordered: the pool holds them as unused once they ran
+        before = pool.reserved()
+        pool.trim()
+        return cached, max(0, before - pool.reserved())
+    except DriverError as exc:
+        logging.getLogger(__name__).warning("the memory pool could not be trimmed (%s)", exc)
+        return cached, 0
+
+
 def evaluate(*arrays) -> None:
-    """`mx.eval(*arrays)`, run once more after the process's buffer cache went back to the device when the first
-    evaluation ran it out of memory (see the module's docstring); a second failure propagates."""
+    """`mx.eval(*arrays)`, run once more after the process's buffer cache and its pool's unused reserve went back
+    to the device (`hand_back`) when the first evaluation ran it out of memory (see the module's docstring); a
+    second failure propagates."""
     import mlx.core as mx
 
     try:
@@ -210,11 +240,10 @@ def evaluate(*arrays) -> None:
     except RuntimeError as exc:
         if not out_of_memory(exc):
             raise
-        cached = mx.get_cache_memory()
-        mx.clear_cache()
+        cached, trimmed = hand_back(process_pool())
         logging.getLogger(__name__).warning(
             "a step ran the device out of memory (%s); running it once more after handing back the buffer cache "
-            "(%.0f MiB)", exc, cached / MIB)
+            "(%.0f MiB) and the memory pool's unused reserve (%.0f MiB)", exc, cached / MIB, trimmed / MIB)
         time.sleep(RETRY_WAIT_S)
         try:
             mx.eval(*arrays)

@@ -173,3 +173,64 @@ def test_on_a_gpu_an_evaluation_that_ran_out_of_memory_completes_once_the_cache_
         mx.set_memory_limit(previous_limit)
         mx.set_cache_limit(previous_cache)
         mx.clear_cache()
+
+
+class RecordingPool:
+    """A memory pool holding `unused` bytes no allocation uses, which a trim hands back; logs each call in `log`."""
+
+    def __init__(self, log: list, unused: int, fails: bool = False) -> None:
+        self.log, self.unused, self.fails = log, unused, fails
+
+    def reserved(self) -> int:
+        if self.fails:
+            raise device_memory.DriverError("cuMemPoolGetAttribute returned CUDA error 1")
+        return (1 << 30) + self.unused
+
+    def used(self) -> int:
+        return 1 << 30
+
+    def trim(self) -> None:
+        self.log.append(("trim", mx.get_cache_memory()))
+        self.unused = 0
+
+
+def test_the_pools_unused_reserve_goes_back_after_the_cache_and_before_the_second_evaluation(monkeypatch):
+    real, log = mx.eval, []
+    pool = RecordingPool(log, unused=300 << 20)
+
+    def fails_first(*arrays):
+        log.append(("eval", mx.get_cache_memory()))
+        if len(log) == 1:
+            raise RuntimeError(OUT_OF_MEMORY)
+        real(*arrays)
+
+    previous = mx.set_cache_limit(1 << 34)
+    try:
+        buffers = mx.zeros((1 << 20,))
+        real(buffers)
+        del buffers
+        monkeypatch.setattr(device_memory, "process_pool", lambda: pool)
+        monkeypatch.setattr(mx, "eval", fails_first)
+        x = mx.arange(4) * 3
+        device_memory.evaluate(x)
+    finally:
+        mx.set_cache_limit(previous)
+    assert [what for what, _ in log] == ["eval", "trim", "eval"]
+    assert log[0][1] >= 4 << 20 and log[1][1] == 0  # the trim comes after the cache went back
+    assert pool.unused == 0
+    assert np.array(x).tolist() == [0, 3, 6, 9]
+
+
+def test_hand_back_reports_what_went_back_and_survives_a_pool_that_stops_answering():
+    previous = mx.set_cache_limit(1 << 34)
+    try:
+        for pool, trimmed in ((None, 0), (RecordingPool([], unused=300 << 20), 300 << 20),
+                              (RecordingPool([], unused=300 << 20, fails=True), 0)):
+            buffers = mx.zeros((1 << 20,))
+            mx.eval(buffers)
+            del buffers
+            cached, handed = device_memory.hand_back(pool)
+            assert cached >= 4 << 20 and mx.get_cache_memory() == 0
+            assert handed == trimmed
+    finally:
+        mx.set_cache_limit(previous)
