@@ -83,7 +83,7 @@ from services.common.cli import (
     apply_memory_limit,
     cache_limit_mb,
     keep_device_headroom,
-    shared_cache_limit_mb,
+    shared_headroom_mb,
 )
 from services.common.config import VoiceChatConfig
 from services.common.loading import AS_STORED, LoadOptions, process_settings
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_cache_limit(args.cache_limit_mb)
     apply_memory_limit(args.memory_limit_mb)
     if args.device_headroom_mb is not None:  # a daemon thread for the process's life, as in a service
-        keep_device_headroom(shared_cache_limit_mb() if args.device_headroom_mb == SHARED
+        keep_device_headroom(shared_headroom_mb() if args.device_headroom_mb == SHARED
                              else args.device_headroom_mb)
     if args.partial and (args.grpc or not 0 < args.partial < min(args.sessions)):
         parser.error(f"--partial {args.partial}: needs --no-grpc and fewer than the smallest session count "

@@ -42,11 +42,14 @@ from services.common.server import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_MB, Regi
 
 MODEL_ENV = "VOICECHAT_MODEL"
 PARENT_PID_ENV = "VOICECHAT_PARENT_PID"  # set by the orchestrator's launcher for the services it starts
-# --cache-limit-mb shared: four services on one device, each with a twentieth of its memory, at most 8 GiB (an
-# H200's 141 GB: 7.0 GiB each; an 80 GB H100: 4.0 GiB, where four caches of 8 GiB beside the models ran the
-# 32-conversation configuration out of memory).
+# --cache-limit-mb shared: four services on one device, each with an eightieth of its memory for its buffer cache,
+# at most 8 GiB (an H200's 141 GB: 1.8 GiB each; an 80 GB H100: 1.0 GiB). Each keeps a twentieth free for the
+# others (--device-headroom-mb; an H100: 4.0 GiB). A cache is memory no other process can use, and on CUDA the
+# driver's pool under it keeps what it frees anyway: on an H100, 40 conversations with 4 GiB caches ran speech out
+# of memory 42 s in, and with 1 GiB ones held for 60 s.
 SHARED = "shared"
-SHARED_CACHE_SHARE = 20
+SHARED_CACHE_SHARE = 80
+SHARED_HEADROOM_SHARE = 20
 SHARED_CACHE_CAP_MB = 8192
 _PR_SET_PDEATHSIG = 1
 READY_PREFIX = "listening on "  # what parse_ready_line looks for
@@ -159,7 +162,7 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         metavar="MB",
         help="keep this many MiB of the device free for its other processes: while the device's free memory is "
         "under it, this service hands back its buffer cache and what CUDA's memory pool holds for it (services.common."
-        f"device_memory; default the '{SHARED}' cache size, a 1/{SHARED_CACHE_SHARE} share of the device at most "
+        f"device_memory; default '{SHARED}': a 1/{SHARED_HEADROOM_SHARE} share of the device, at most "
         f"{SHARED_CACHE_CAP_MB} MiB; 0: off). Only where the device reports its free memory (CUDA GPUs)",
     )
     parser.add_argument(
@@ -251,6 +254,19 @@ def shared_cache_limit_mb(info: dict | None = None) -> float:
     """The buffer cache of one of several services sharing a device: a SHARED_CACHE_SHARE share of the memory
     MLX reports for it (`mx.device_info()`, or `info`), at most SHARED_CACHE_CAP_MB, which is also the limit
     where no memory size is reported (MLX on a CPU)."""
+    return _device_share_mb(SHARED_CACHE_SHARE, info)
+
+
+def shared_headroom_mb(info: dict | None = None) -> float:
+    """What one of several services sharing a device keeps free for the others (--device-headroom-mb's default):
+    a SHARED_HEADROOM_SHARE share of the device's memory, at most SHARED_CACHE_CAP_MB (see
+    `shared_cache_limit_mb`)."""
+    return _device_share_mb(SHARED_HEADROOM_SHARE, info)
+
+
+def _device_share_mb(share: int, info: dict | None) -> float:
+    """1/share of the memory MLX reports for the device (`info` when given), at most SHARED_CACHE_CAP_MB, which
+    is also the answer where no size is reported."""
     if info is None:
         import mlx.core as mx
 
@@ -261,7 +277,7 @@ def shared_cache_limit_mb(info: dict | None = None) -> float:
     size = info.get("total_memory") or info.get("memory_size")
     if not isinstance(size, int) or size <= 0:
         return float(SHARED_CACHE_CAP_MB)
-    return min(float(SHARED_CACHE_CAP_MB), size / SHARED_CACHE_SHARE / (1 << 20))
+    return min(float(SHARED_CACHE_CAP_MB), size / share / (1 << 20))
 
 
 def apply_cache_limit(limit_mb: float | str | None) -> None:
@@ -283,13 +299,13 @@ def apply_memory_limit(limit_mb: float | None) -> None:
 
 
 def keep_device_headroom(headroom_mb: float | None) -> Headroom | None:
-    """Start keeping `headroom_mb` (None: the shared cache size; 0: none) of the device free for its other
+    """Start keeping `headroom_mb` (None: `shared_headroom_mb`; 0: none) of the device free for its other
     processes (`Headroom`: the buffer cache, under the limit set before it); None where there is nothing to
     keep."""
     if headroom_mb == 0:
         return None
     if headroom_mb is None:
-        headroom_mb = shared_cache_limit_mb()
+        headroom_mb = shared_headroom_mb()
     return Headroom(headroom_mb, pool=DevicePool.open()).start()
 
 

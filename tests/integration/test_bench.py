@@ -329,7 +329,7 @@ def test_service_bench_takes_a_shared_devices_cache_limit_and_headroom_as_the_se
                              "--warmup", "0", "--no-grpc", "--cache-limit-mb", "shared", "--device-headroom-mb",
                              "shared", "--memory-limit-mb", "4096"]) == 0
         assert mx.set_cache_limit(1 << 40) == int(cli.shared_cache_limit_mb() * (1 << 20)) == CACHE_LIMIT["bytes"]
-        assert kept == [cli.shared_cache_limit_mb()]
+        assert kept == [cli.shared_headroom_mb()]
         assert service.main(["codec", "--model", str(tiny_checkpoint), "--sessions", "1", "--frames", "1",
                              "--warmup", "0", "--no-grpc", "--device-headroom-mb", "512"]) == 0
         assert kept[-1] == 512.0

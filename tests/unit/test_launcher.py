@@ -36,13 +36,16 @@ def test_launched_services_get_their_own_environment_variables_over_this_process
         assert _environment(children["codec"][0].process.pid)["VOICECHAT_PROBE"] == "parent"
 
 
-def test_a_shared_devices_cache_is_a_twentieth_of_its_memory_at_most_8_gib():
+def test_a_shared_devices_cache_is_an_eightieth_of_its_memory_and_its_headroom_a_twentieth_at_most_8_gib():
     gib = 1 << 30
-    assert cli.shared_cache_limit_mb({"total_memory": 80 * gib}) == 80 * 1024 / 20  # an 80 GB card: 4 GiB
-    assert cli.shared_cache_limit_mb({"memory_size": 64 * gib}) == 64 * 1024 / 20  # Apple silicon reports this key
-    assert cli.shared_cache_limit_mb({"total_memory": 200 * gib}) == 8192  # capped
+    assert cli.shared_cache_limit_mb({"total_memory": 80 * gib}) == 80 * 1024 / 80  # an 80 GB card: 1 GiB
+    assert cli.shared_headroom_mb({"total_memory": 80 * gib}) == 80 * 1024 / 20  # 4 GiB kept free for the others
+    assert cli.shared_cache_limit_mb({"memory_size": 64 * gib}) == 64 * 1024 / 80  # Apple silicon reports this key
+    assert cli.shared_headroom_mb({"memory_size": 64 * gib}) == 64 * 1024 / 20
+    assert cli.shared_cache_limit_mb({"total_memory": 800 * gib}) == 8192  # capped
+    assert cli.shared_headroom_mb({"total_memory": 200 * gib}) == 8192
     for unknown in ({}, {"architecture": "x86_64"}, {"total_memory": 0}, {"memory_size": "64 GB"}):
-        assert cli.shared_cache_limit_mb(unknown) == 8192
+        assert cli.shared_cache_limit_mb(unknown) == cli.shared_headroom_mb(unknown) == 8192
 
 
 def test_the_shared_limit_is_set_as_mlxs_cache_limit():
