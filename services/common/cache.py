@@ -209,7 +209,7 @@ class GroupedCache(abc.ABC):
     def _own(self) -> None:
         self._copied_from = None  # about to write its arrays: no longer what it was copied from
         if self.group is not None:
-            self._keys, self._values = self.group.rows(self)
+            self._keys, self._values = self.group.rows(self, whole=True)
             self.group = None
 
     def _advance(self, plan: Plan) -> None:
@@ -276,7 +276,7 @@ class GroupedCache(abc.ABC):
         """A cache holding what this one holds, its counters and keys, in array objects of its own (a group
         member's rows read out, the member left in its group): a write of either (in place, by slice) leaves the
         other as it is."""
-        keys, values = self.keys, self.values
+        keys, values = self.group.rows(self, whole=True) if self.group is not None else (self._keys, self._values)
         other = copy.copy(self)
         other.group, other._row, other._capacity, other._copied_from = None, 0, 0, None
         if keys is not None:
@@ -380,9 +380,15 @@ class LayerGroup:
             return None
         return group, [cache._row // group.per for cache in caches]
 
-    def rows(self, cache: GroupedCache) -> tuple[mx.array, mx.array]:
+    def rows(self, cache: GroupedCache, whole: bool = False) -> tuple[mx.array, mx.array]:
+        """A member's keys and values: views of its rows, up to its buffer size or the group's width if that is
+        less (every key it holds is within it); `whole`: widened with zeros to its buffer size, as its own
+        buffer would be."""
         rows = slice(cache._row, cache._row + self.per)
-        return self.keys[rows, :, : cache._capacity], self.values[rows, :, : cache._capacity]
+        keys, values = self.keys[rows, :, : cache._capacity], self.values[rows, :, : cache._capacity]
+        if whole:
+            keys, values = widened(keys, cache._capacity), widened(values, cache._capacity)
+        return keys, values
 
     def plans(self, index: Sequence[int] | None = None) -> list[Plan] | None:
         """The plan for one more key of every member (or of the members at `index`); None when one would drop
@@ -397,7 +403,7 @@ class LayerGroup:
         buffer. The members stepping are all of them, in order, or those at `index` (q, k, v then hold their
         rows in that order, and `plans` is theirs): the others' keys stay as they are, and their rows of the
         attention, run over the whole buffer, are dropped."""
-        width = max(plan.capacity for plan in plans)
+        width = group_width(self.keys.shape[2], plans)
         if width > self.keys.shape[2]:
             self.keys, self.values = widened(self.keys, width), widened(self.values, width)
         # in the buffer's dtype, as a member's own slice write stores it (a bf16 prompt keeps bf16 keys)
@@ -487,6 +493,15 @@ def _runs(caches: Sequence[GroupedCache], per: int) -> list[_Run]:
     return runs
 
 
+def group_width(width: int, plans: Sequence[Plan]) -> int:
+    """The key buffer width a group of `width` needs for a step of `plans`: as it is while it holds every key they
+    see, else GROUP_GROW keys past the most any of them sees (never past the largest buffer size they plan)."""
+    needed = max(plan.visible for plan in plans)
+    if needed <= width:
+        return width
+    return min(max(plan.capacity for plan in plans), -(-needed // GROUP_GROW) * GROUP_GROW)
+
+
 def widened(buffer: mx.array, width: int) -> mx.array:
     """A key buffer (B, H, T, Dh) zero-padded to `width` keys."""
     if buffer.shape[2] == width:
@@ -522,6 +537,11 @@ def length_mask(lengths: tuple[int, ...], per: int) -> mx.array:
 # ---- the cache types ------------------------------------------------------------------------------------
 
 GROW = 256  # attention caches grow in blocks of this many positions, as the reference's caches allocate
+# A group's buffers grow in blocks of this many positions, whatever its members' buffer sizes: each block is a new
+# buffer of the whole group and a copy (every layer's, for every session of the batch: 6.3 GB at once for the
+# speech backbone's 48 sessions in blocks of 256), and a block's slack is memory no key uses. A member's own
+# buffer keeps its size (`GROW`), so where a member's dtype changes (a grown buffer's) is as its own update's.
+GROUP_GROW = 64
 
 
 @dataclass(frozen=True)

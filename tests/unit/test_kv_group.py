@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.common.cache import FullCache, LayerGroup, RingCache
+from services.common.cache import GROUP_GROW, GROW, FullCache, LayerGroup, RingCache
 
 HEADS, DIM, PER = 2, 4, 2  # two rows a session, as the speech backbone's guided rows
 SCALE = DIM**-0.5
@@ -38,9 +38,16 @@ def _own_step(cache, q, k, v) -> mx.array:
 
 
 def _assert_same_cache(mine, theirs) -> None:
+    """The same counters and held keys; and read out whole (a copy), the same buffer: a group member's view may
+    stop at the group's width, past every key it holds."""
     assert mine.offset == theirs.offset and getattr(mine, "slot", None) == getattr(theirs, "slot", None)
-    np.testing.assert_array_equal(np.array(mine.keys), np.array(theirs.keys))
-    np.testing.assert_array_equal(np.array(mine.values), np.array(theirs.values))
+    assert mine.capacity == theirs.capacity and mine.held() == theirs.held()
+    held = theirs.held()
+    whole = mine.copy()
+    for name in ("keys", "values"):
+        np.testing.assert_array_equal(np.array(getattr(mine, name)[..., :held, :]),
+                                      np.array(getattr(theirs, name)[..., :held, :]))
+        np.testing.assert_array_equal(np.array(getattr(whole, name)), np.array(getattr(theirs, name)))
 
 
 @pytest.mark.parametrize("make", [FullCache, lambda: RingCache(7)], ids=["full", "ring"])
@@ -205,3 +212,35 @@ def test_sessions_joining_a_group_stack_its_rows_as_one_piece_and_equal_their_ow
     assert pieces == [3]  # the old group's rows, the copies' source, the loner; later steps write the new group
     for mine, theirs in zip(caches, owns, strict=True):
         _assert_same_cache(mine, theirs)
+
+
+@pytest.mark.parametrize("make", [FullCache, lambda: RingCache(1000)], ids=["full", "ring"])
+def test_a_groups_buffer_grows_by_group_grow_keys_past_its_widest_view_not_by_its_members_buffer_size(make):
+    grouped, own = _twins(make, [5, 2, 9], seed=7)
+    LayerGroup(grouped, PER)
+    group = grouped[0].group
+    formed = group.keys.shape[2]
+    assert formed == max(cache.capacity for cache in own)  # formed at its members' buffer size
+    rng = np.random.default_rng(8)
+    for _ in range(GROW + 2 * GROUP_GROW):  # past the members' first GROW keys: their own buffers double
+        plans = group.plans()
+        q, k = _kv(rng, PER * len(grouped), 1)
+        v = mx.array(rng.standard_normal(k.shape).astype(np.float32))
+        got = group.step(q, k, v, plans, SCALE)
+        for i, cache in enumerate(own):
+            rows = slice(i * PER, (i + 1) * PER)
+            np.testing.assert_array_equal(np.array(got[rows]), np.array(_own_step(cache, q[rows], k[rows], v[rows])))
+        widest, width = max(plan.visible for plan in plans), group.keys.shape[2]
+        assert width >= widest and (width == formed or width < widest + GROUP_GROW)
+    # the members' own buffers grew by GROW keys, the group's by GROUP_GROW keys at a time
+    assert max(cache.capacity for cache in own) >= formed + GROW > group.keys.shape[2]
+    for mine, theirs in zip(grouped, own, strict=True):
+        assert mine.group is group
+        _assert_same_cache(mine, theirs)
+        for name, value in theirs.snapshot().items():  # a member's snapshot, read from the narrower group
+            np.testing.assert_array_equal(np.array(mine.snapshot()[name]), np.array(value))
+    k, v = _kv(rng, PER, 1)
+    for cache in (grouped[1], own[1]):  # a solo step takes its rows back: its own buffer at its own size again
+        cache.update(k, v)
+    assert grouped[1].group is None and grouped[1].keys.shape[2] == own[1].capacity
+    _assert_same_cache(grouped[1], own[1])
