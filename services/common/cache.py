@@ -209,8 +209,12 @@ class GroupedCache(abc.ABC):
     def _own(self) -> None:
         self._copied_from = None  # about to write its arrays: no longer what it was copied from
         if self.group is not None:
-            self._keys, self._values = self.group.rows(self, whole=True)
+            self._keys, self._values = self._whole()
             self.group = None
+
+    def _whole(self) -> tuple[mx.array | None, mx.array | None]:
+        """Its keys and values at its buffer size: its own arrays, or its group's rows widened to that size."""
+        return self.group.rows(self, whole=True) if self.group is not None else (self._keys, self._values)
 
     def _advance(self, plan: Plan) -> None:
         """Count one key written as `plan` says (a group wrote it)."""
@@ -276,7 +280,7 @@ class GroupedCache(abc.ABC):
         """A cache holding what this one holds, its counters and keys, in array objects of its own (a group
         member's rows read out, the member left in its group): a write of either (in place, by slice) leaves the
         other as it is."""
-        keys, values = self.group.rows(self, whole=True) if self.group is not None else (self._keys, self._values)
+        keys, values = self._whole()
         other = copy.copy(self)
         other.group, other._row, other._capacity, other._copied_from = None, 0, 0, None
         if keys is not None:

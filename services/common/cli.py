@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.batching import DEFAULT_GATHER_S, DEFAULT_MAX_BATCH
-from services.common.device_memory import Headroom, set_cache_limit
-from services.common.device_pool import DevicePool
+from services.common.device_memory import Headroom, process_pool, set_cache_limit
 from services.common.errors import EXIT_BIND, EXIT_DEVICE_LOST, BindError, DeviceLost, out_of_memory
 from services.common.loading import DEFAULT_MAX_CONTEXT, process_settings
 from services.common.metrics import Metrics, MetricsServer, add_metrics_flags, start_from_args
@@ -306,7 +305,7 @@ def keep_device_headroom(headroom_mb: float | None) -> Headroom | None:
         return None
     if headroom_mb is None:
         headroom_mb = shared_headroom_mb()
-    return Headroom(headroom_mb, pool=DevicePool.open()).start()
+    return Headroom(headroom_mb, pool=process_pool()).start()
 
 
 def configure_logging(level: str) -> None:

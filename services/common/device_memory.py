@@ -51,8 +51,8 @@ DEFAULT_PERIOD_S = 0.05
 # Steps of this process whose evaluation ran the device out of memory: `recovered` completed when run once more,
 # `failed` ran out again (voicechat_out_of_memory_steps_total{service,outcome}).
 OUT_OF_MEMORY_STEPS = {"recovered": 0, "failed": 0}
-# This process's device memory outside MLX's counters (voicechat_memory_bytes{kind="pooled"}) and what the headroom
-# handed back of it (voicechat_memory_trimmed_bytes_total), as of the headroom's last reading.
+# This process's device memory outside MLX's counters (voicechat_memory_bytes{kind="pooled"}, as of the headroom's
+# last reading) and what the headroom and `hand_back` handed back of it (voicechat_memory_trimmed_bytes_total).
 POOL_BYTES = {"pooled": 0, "trimmed": 0}
 # The buffer cache limit last set through `set_cache_limit` (voicechat_memory_bytes{kind="cache_limit"}); None:
 # MLX's default.
@@ -223,7 +223,9 @@ def hand_back(pool: Pool | None) -> tuple[int, int]:
         mx.synchronize()  # the cache's frees are stream-ordered: the pool holds them as unused once they ran
         before = pool.reserved()
         pool.trim()
-        return cached, max(0, before - pool.reserved())
+        trimmed = max(0, before - pool.reserved())
+        POOL_BYTES["trimmed"] += trimmed
+        return cached, trimmed
     except DriverError as exc:
         logging.getLogger(__name__).warning("the memory pool could not be trimmed (%s)", exc)
         return cached, 0

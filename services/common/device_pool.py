@@ -6,9 +6,10 @@ its buffers into that pool (`cudaFreeAsync`). Memory freed into the pool can sta
 the driver releases it at a synchronization, past the pool's release threshold): this process can allocate it
 again, no other process can. Measured on an H100 before any conversation opened: the four services' MLX arrays
 and caches were 40,408 MiB, the device's memory in use 76,402 MiB (docs/performance-history.md, "40 conversations
-on an H100; device memory outside MLX's counters"); in a later live run the pools read no unused reserve, so
-most of that difference is held elsewhere (`python -m bench.device_memory` reads it phase by phase). Reading
-the pool costs two driver calls; trimming it while the device is short hands back whatever it does hold.
+on an H100; device memory outside MLX's counters"); in a 40-conversation run the pools held up to 2.6-13.0 GB
+each that no array used. A trim hands back only the pool's wholly free blocks: a block holding any live
+allocation, however small, stays reserved (`python -m bench.device_memory` reads the pool phase by phase).
+Reading the pool costs two driver calls.
 
 `DevicePool` reads the pool's reserved and used bytes and trims it (`cuMemPoolTrimTo`), through the CUDA driver
 (libcuda), which every CUDA process has loaded. Where there is no CUDA device (the CPU, Apple silicon) or the

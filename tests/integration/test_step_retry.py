@@ -229,8 +229,10 @@ def test_hand_back_reports_what_went_back_and_survives_a_pool_that_stops_answeri
             buffers = mx.zeros((1 << 20,))
             mx.eval(buffers)
             del buffers
+            counted = device_memory.POOL_BYTES["trimmed"]
             cached, handed = device_memory.hand_back(pool)
             assert cached >= 4 << 20 and mx.get_cache_memory() == 0
             assert handed == trimmed
+            assert device_memory.POOL_BYTES["trimmed"] == counted + trimmed  # voicechat_memory_trimmed_bytes_total
     finally:
         mx.set_cache_limit(previous)
