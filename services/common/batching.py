@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from services.common.device_memory import MIB, hand_back, process_pool
 from services.common.engine_thread import EngineThread
 from services.common.steplog import StepLog
 
@@ -55,6 +57,7 @@ Request = TypeVar("Request")
 DEFAULT_MAX_BATCH = 16
 DEFAULT_GATHER_S = 0.002
 _COHORT_MEMORY = 256  # batches after which a session that has not stepped since is forgotten (checked this often)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,10 @@ class StepBatcher(Generic[Entry, Result]):
                    options.precompile, options.step_log, key, options.read_ahead, reads, options.cohort_s)
 
     async def precompile(self, precompile: Callable[[int], None]) -> None:
-        """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load."""
+        """Run the engine's `precompile(max_size)` on the engine thread when sizes are to be traced at load, then
+        give the device what the traces' steps left idle (`precompiled`)."""
         if self.precompile_sizes:
-            await self.engine_thread.run(precompile, self.precompile_sizes)
+            await self.engine_thread.run(precompiled, precompile, self.precompile_sizes)
 
     @property
     def queued(self) -> int:
@@ -418,6 +422,17 @@ def raise_first(results: Sequence[object]) -> None:
     for result in results:
         if isinstance(result, BaseException):
             raise result
+
+
+def precompiled(precompile: Callable[[int], None], sizes: int) -> tuple[int, int]:
+    """`precompile(sizes)`, then the buffer cache and the memory pool's unused reserve its steps left handed back
+    to the device (`device_memory.hand_back`), before live steps allocate among them: a live array placed in a
+    block of the pool keeps the whole block from a later trim. Returns the bytes of each handed back."""
+    precompile(sizes)
+    cached, trimmed = hand_back(process_pool())
+    log.info("batch sizes 1-%d traced; handed back %.0f MiB of buffer cache and %.0f MiB of pooled memory",
+             sizes, cached / MIB, trimmed / MIB)
+    return cached, trimmed
 
 
 def run_entries(entries: Sequence[Entry], prepare: Callable[[Entry], Prepared],

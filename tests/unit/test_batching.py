@@ -291,6 +291,43 @@ def test_precompile_runs_on_the_engine_thread_capped_at_max_batch(engine_thread)
     assert calls == [(4, True), (3, True)]
 
 
+def test_precompile_hands_back_the_cache_and_the_pools_reserve_its_steps_left(engine_thread, monkeypatch):
+    import mlx.core as mx
+
+    from services.common import batching
+
+    class Pool:  # a driver pool holding 64 MiB that no array uses, until trimmed
+        trims, unused = [], 64 << 20
+
+        def reserved(self) -> int:
+            return (1 << 30) + self.unused
+
+        def trim(self) -> None:
+            self.trims.append(mx.get_cache_memory())  # the cache went back first
+            self.unused = 0
+
+    pool = Pool()
+    monkeypatch.setattr(batching, "process_pool", lambda: pool)
+
+    def precompile(sizes: int) -> None:  # a trace's step: its buffers freed into the cache
+        for n in range(1, sizes + 1):
+            mx.eval(mx.zeros((n << 18,)))
+
+    async def scenario():
+        options = batching.BatchOptions(max_batch=4, precompile=4)
+        await StepBatcher.with_options(engine_thread, lambda entries: entries, options).precompile(precompile)
+
+    previous = mx.set_cache_limit(1 << 34)
+    try:
+        mx.clear_cache()
+        asyncio.run(scenario())
+        assert mx.get_cache_memory() == 0
+    finally:
+        mx.set_cache_limit(previous)
+    assert pool.trims == [0] and pool.unused == 0
+    assert batching.precompiled(lambda sizes: None, 1) == (0, 0)  # nothing left idle: nothing handed back
+
+
 def test_a_lone_sessions_step_runs_in_its_own_task(engine_thread, monkeypatch):
     recorder, sizes, tasks = Recorder(), [], []
     batcher = StepBatcher(engine_thread, recorder, on_batch=sizes.append, sessions=lambda: 1)
