@@ -297,7 +297,8 @@ def test_precompile_hands_back_the_cache_and_the_pools_reserve_its_steps_left(en
     from services.common import batching
 
     class Pool:  # a driver pool holding 64 MiB that no array uses, until trimmed
-        trims, unused = [], 64 << 20
+        def __init__(self) -> None:
+            self.trims, self.unused = [], 64 << 20
 
         def reserved(self) -> int:
             return (1 << 30) + self.unused
